@@ -1,0 +1,1 @@
+"""eyrie: an EAGLE-3 draft-model factory whose every memory outcome is recorded."""

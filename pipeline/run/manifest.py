@@ -1,0 +1,220 @@
+"""The step contract's output side: atomic writes and the manifest that says "outputs complete".
+
+A step writes each output through a temporary name and renames it into place
+(``atomic_path``), then writes ``manifest.json`` in its step directory
+(``write_manifest``). Outputs are complete when the manifest exists and every
+file it lists still has the recorded size and sha256 (``check_manifest``).
+The runner passes the step's input fingerprint in ``EYRIE_STEP_FINGERPRINT``;
+the manifest records it, so a rerun can tell whether the inputs changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+MANIFEST_NAME = "manifest.json"
+RUN_DIR_ENV = "EYRIE_RUN_DIR"
+STEP_DIR_ENV = "EYRIE_STEP_DIR"
+STEP_NAME_ENV = "EYRIE_STEP_NAME"
+FINGERPRINT_ENV = "EYRIE_STEP_FINGERPRINT"
+_HASH_CHUNK = 1 << 20
+
+
+class FileEntry(BaseModel):
+    bytes: int
+    sha256: str
+    records: int | None = None
+
+
+class Manifest(BaseModel):
+    step: str | None = None
+    fingerprint: str | None = None
+    created_at: float
+    outputs: dict[str, dict[str, FileEntry]]
+    """Declared output (relative to the step dir) -> file under it (``.`` for a plain file) -> entry."""
+    stats: dict[str, Any] = {}
+
+    def records(self) -> int | None:
+        counts = [e.records for files in self.outputs.values() for e in files.values()]
+        known = [c for c in counts if c is not None]
+        return sum(known) if known else None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path``; on success it is fsynced and renamed onto ``path``.
+
+    On an exception the temporary file or folder is removed, so nothing half-written
+    ever sits under the final name.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        if tmp.is_file():
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        _remove(final)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        for child in sorted(path.rglob("*"), reverse=True):
+            child.rmdir() if child.is_dir() and not child.is_symlink() else child.unlink()
+        path.rmdir()
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(_HASH_CHUNK), b""))
+
+
+def _files_of(output: Path) -> dict[str, Path]:
+    if output.is_dir():
+        return {
+            str(p.relative_to(output)): p
+            for p in sorted(output.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")
+        }
+    return {".": output}
+
+
+def write_manifest(
+    step_dir: str | os.PathLike[str],
+    outputs: list[str],
+    *,
+    records: dict[str, int] | None = None,
+    stats: dict[str, Any] | None = None,
+) -> Manifest:
+    """Hash the finished outputs and write ``manifest.json`` atomically.
+
+    ``records`` gives a record count per output (``.jsonl`` files are counted by
+    lines when not given); ``stats`` is free-form (per-source counts, token totals).
+    """
+    root = Path(step_dir)
+    entries: dict[str, dict[str, FileEntry]] = {}
+    for name in outputs:
+        output = root / name
+        if not output.exists():
+            raise FileNotFoundError(f"declared output {name!r} does not exist in {root}")
+        files = _files_of(output)
+        entries[name] = {}
+        for rel, file in files.items():
+            count = (records or {}).get(name) if rel == "." else None
+            if count is None and file.suffix == ".jsonl":
+                count = _count_lines(file)
+            entries[name][rel] = FileEntry(
+                bytes=file.stat().st_size, sha256=sha256_file(file), records=count
+            )
+        if output.is_dir() and name in (records or {}):
+            entries[name].setdefault(".", FileEntry(bytes=0, sha256="", records=records[name]))
+    manifest = Manifest(
+        step=os.environ.get(STEP_NAME_ENV),
+        fingerprint=os.environ.get(FINGERPRINT_ENV),
+        created_at=time.time(),
+        outputs=entries,
+        stats=stats or {},
+    )
+    atomic_write_text(root / MANIFEST_NAME, manifest.model_dump_json(indent=2))
+    return manifest
+
+
+def read_manifest(step_dir: str | os.PathLike[str]) -> Manifest | None:
+    path = Path(step_dir) / MANIFEST_NAME
+    try:
+        return Manifest.model_validate_json(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def check_manifest(
+    step_dir: str | os.PathLike[str], declared: list[str] | None = None
+) -> tuple[bool, str]:
+    """Whether the outputs are complete, and if not, why (one line)."""
+    root = Path(step_dir)
+    manifest = read_manifest(root)
+    if manifest is None:
+        return False, f"no valid {MANIFEST_NAME} in {root}"
+    missing = [d for d in declared or [] if d not in manifest.outputs]
+    if missing:
+        return False, f"{MANIFEST_NAME} does not list declared output(s) {', '.join(missing)}"
+    for name, files in manifest.outputs.items():
+        output = root / name
+        for rel, entry in files.items():
+            if rel == "." and output.is_dir():
+                continue
+            file = output if rel == "." else output / rel
+            if not file.is_file():
+                return False, f"{file} is listed in {MANIFEST_NAME} but missing"
+            if file.stat().st_size != entry.bytes or sha256_file(file) != entry.sha256:
+                return False, f"{file} changed since {MANIFEST_NAME} was written"
+    return True, "manifest matches the files"
+
+
+def manifest_digest(step_dir: str | os.PathLike[str]) -> str | None:
+    """sha256 of a step's manifest outputs: what a downstream step's fingerprint depends on."""
+    manifest = read_manifest(step_dir)
+    if manifest is None:
+        return None
+    payload = json.dumps(
+        {k: {f: e.sha256 for f, e in v.items()} for k, v in manifest.outputs.items()},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def step_dir_from_env() -> Path:
+    """The step's working directory when run by eyrie, else the current directory."""
+    return Path(os.environ.get(STEP_DIR_ENV, os.getcwd()))
+
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Manifest",
+    "atomic_path",
+    "atomic_write_text",
+    "check_manifest",
+    "manifest_digest",
+    "read_manifest",
+    "step_dir_from_env",
+    "write_manifest",
+]
