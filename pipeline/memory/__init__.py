@@ -1,0 +1,38 @@
+"""Facts about memory: cgroup v1/v2 limits, usage, peaks, OOM kills, and the budget a process has.
+
+This layer uses nothing else of eyrie's.
+"""
+
+from pipeline.memory.budget import Budget, CgroupReading, memory_budget, read_meminfo
+from pipeline.memory.cgroup import (
+    Cgroup,
+    CgroupError,
+    CgroupV1,
+    CgroupV2,
+    MemorySample,
+    cgroup_of,
+    current_cgroup,
+    detect_hierarchy,
+    step_parent,
+)
+from pipeline.memory.units import format_duration, format_size, parse_duration, parse_size
+
+__all__ = [
+    "Budget",
+    "Cgroup",
+    "CgroupError",
+    "CgroupReading",
+    "CgroupV1",
+    "CgroupV2",
+    "MemorySample",
+    "cgroup_of",
+    "current_cgroup",
+    "detect_hierarchy",
+    "format_duration",
+    "format_size",
+    "memory_budget",
+    "parse_duration",
+    "parse_size",
+    "read_meminfo",
+    "step_parent",
+]

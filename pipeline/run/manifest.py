@@ -124,11 +124,14 @@ def write_manifest(
     *,
     records: dict[str, int] | None = None,
     stats: dict[str, Any] | None = None,
+    step: str | None = None,
+    fingerprint: str | None = None,
 ) -> Manifest:
     """Hash the finished outputs and write ``manifest.json`` atomically.
 
     ``records`` gives a record count per output (``.jsonl`` files are counted by
     lines when not given); ``stats`` is free-form (per-source counts, token totals).
+    ``step`` and ``fingerprint`` default to what the runner put in the environment.
     """
     root = Path(step_dir)
     entries: dict[str, dict[str, FileEntry]] = {}
@@ -148,8 +151,8 @@ def write_manifest(
         if output.is_dir() and name in (records or {}):
             entries[name].setdefault(".", FileEntry(bytes=0, sha256="", records=records[name]))
     manifest = Manifest(
-        step=os.environ.get(STEP_NAME_ENV),
-        fingerprint=os.environ.get(FINGERPRINT_ENV),
+        step=step or os.environ.get(STEP_NAME_ENV),
+        fingerprint=fingerprint or os.environ.get(FINGERPRINT_ENV),
         created_at=time.time(),
         outputs=entries,
         stats=stats or {},

@@ -1,0 +1,171 @@
+"""``eyrie status`` and ``eyrie explain``: the ledger, read for people and for scripts."""
+
+from __future__ import annotations
+
+import json
+import signal as signals
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from pipeline.memory import format_duration, format_size
+from pipeline.run.ledger import AttemptRow, Ledger
+
+VERDICT_STYLE = {
+    "succeeded": "green",
+    "completed_then_crashed": "yellow",
+    "oom_killed": "bold red",
+    "child_oom_killed": "red",
+    "memory_error": "red",
+    "crashed": "red",
+    "failed": "red",
+    "timed_out": "magenta",
+    "cancelled": "yellow",
+}
+
+HEADLINE = {
+    "succeeded": "Succeeded",
+    "oom_killed": "OOM-killed",
+    "child_oom_killed": "A child process was OOM-killed",
+    "completed_then_crashed": "Completed, then crashed",
+    "memory_error": "Ran out of memory without an OOM kill",
+    "crashed": "Crashed",
+    "failed": "Failed",
+    "timed_out": "Timed out",
+    "cancelled": "Cancelled",
+}
+
+
+def _open(run_dir: Path, err: Console) -> Ledger | None:
+    try:
+        return Ledger(run_dir, create=False)
+    except FileNotFoundError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return None
+
+
+def exit_text(row: AttemptRow) -> str:
+    if row.signal is not None:
+        try:
+            return signals.Signals(row.signal).name
+        except ValueError:
+            return f"signal {row.signal}"
+    return "-" if row.exit_code is None else str(row.exit_code)
+
+
+def _clock(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def wide_console() -> Console:
+    """A console that does not squeeze tables to 80 columns when output is piped or logged."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def status_command(run_dir: Path, json_output: bool) -> int:
+    console, err = wide_console(), Console(stderr=True)
+    ledger = _open(run_dir, err)
+    if ledger is None:
+        return 2
+    attempts = ledger.attempts()
+    latest = ledger.latest_run()
+    if json_output:
+        print(json.dumps([a.as_json() for a in attempts], indent=2))
+        return 0
+    title = "eyrie status"
+    if latest:
+        title += f" — run {latest['run_id']} {latest['state']} ({escape(latest['pipeline'])})"
+    table = Table(title=title, title_justify="left")
+    for column, justify in [
+        ("step", "left"), ("attempt", "right"), ("verdict", "left"), ("exit", "right"),
+        ("peak / limit", "right"), ("OOM kills", "right"), ("duration", "right"),
+        ("records", "right"), ("started", "right"),
+    ]:  # fmt: skip
+        table.add_column(column, justify=justify, no_wrap=column != "started")
+    shown = set()
+    for row in attempts:
+        shown.add(row.step)
+        verdict = row.verdict or f"running (pid {row.pid})"
+        style = VERDICT_STYLE.get(row.verdict or "", "cyan")
+        table.add_row(
+            row.step,
+            str(row.attempt),
+            f"[{style}]{verdict}[/]",
+            exit_text(row),
+            f"{format_size(row.peak_bytes)} / {format_size(row.limit_bytes)}",
+            "-" if row.oom_kills is None else str(row.oom_kills),
+            format_duration(row.wall_s),
+            "-" if row.records is None else f"{row.records:,}",
+            _clock(row.started_at),
+        )
+    if latest:
+        states = ledger.step_states(latest["run_id"])
+        for step in json.loads(latest["steps"]):
+            state = states.get(step)
+            if state and state["state"] in ("skipped", "blocked", "pending", "cancelled") and (
+                state["state"] != "cancelled" or step not in shown
+            ):
+                table.add_row(step, "-", f"[dim]{state['state']}[/]", "", "", "", "", "",
+                              f"[dim]{escape(state['detail'])}[/]")  # fmt: skip
+    console.print(table)
+    return 0
+
+
+def explain(row: AttemptRow, run_dir: Path) -> list[str]:
+    """Plain sentences saying why an attempt ended as it did, and the facts behind it."""
+    verdict = row.verdict
+    if verdict is None:
+        return [f"{row.step} attempt {row.attempt} is still running (pid {row.pid}, {row.location})."]
+    lines = [f"{HEADLINE.get(verdict, verdict)}: {row.reason}."]
+    if row.oom_kills:
+        lines.append(
+            f"oom_kill went {row.oom_kills_before}→{row.oom_kills_after} in the step's cgroup"
+            + (f" at {_clock(row.oom_at)}" if row.oom_at else "")
+            + "."
+        )
+    peak = f"peak {format_size(row.peak_bytes)} of {format_size(row.limit_bytes)} limit"
+    if row.anon_peak_bytes:
+        peak += f" (anonymous memory peak {format_size(row.anon_peak_bytes)})"
+    lines.append(peak + ".")
+    if row.limit_reason:
+        lines.append(f"Its limit was set so because: {row.limit_reason}.")
+    lines.append(
+        f"Ran {format_duration(row.wall_s)} from {_clock(row.started_at)} to {_clock(row.ended_at)}, "
+        f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}; host had "
+        f"{format_size(row.host_mem_available)} available of {format_size(row.host_mem_total)} at start."
+    )
+    tail = [t for t in json.loads(row.stderr_tail or "[]") if t.strip()][-5:]
+    if tail and verdict != "succeeded":
+        lines.append("Last lines of stderr:")
+        lines.extend(f"    {t}" for t in tail)
+    logs = Path(run_dir) / ".eyrie" / "logs" / row.step
+    lines.append(f"Logs: {logs}/attempt-{row.attempt}.stdout.log and .stderr.log")
+    return lines
+
+
+def explain_command(run_dir: Path, step: str, attempt: int | None) -> int:
+    console, err = wide_console(), Console(stderr=True)
+    ledger = _open(run_dir, err)
+    if ledger is None:
+        return 2
+    rows = ledger.attempts(step)
+    if attempt is not None:
+        rows = [r for r in rows if r.attempt == attempt]
+    if not rows:
+        known = sorted({r.step for r in ledger.attempts()})
+        what = f"attempt {attempt} of step {step!r}" if attempt else f"step {step!r}"
+        err.print(
+            f"[red]error:[/] no {escape(what)} in {run_dir}; steps with attempts: "
+            f"{escape(', '.join(known) or 'none')}",
+            highlight=False,
+        )
+        return 2
+    row = rows[-1]
+    console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
+    for line in explain(row, run_dir):
+        console.print(escape(line), highlight=False, soft_wrap=True)
+    return 0

@@ -1,0 +1,110 @@
+"""``eyrie run``: load the pipeline, pick the executor, stream the steps to the console."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from pipeline.memory import CgroupError, format_duration, format_size
+from pipeline.run.executor import Executor, Outcome
+from pipeline.run.orchestrator import Orchestrator, RunDirBusy
+from pipeline.run.spec import PipelineError, load_pipeline
+from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
+
+_PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
+
+
+class ConsoleReporter:
+    """Step output prefixed by the step's name, and one line per attempt's start and end."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._colors: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _tag(self, step: str) -> str:
+        color = self._colors.setdefault(step, _PALETTE[len(self._colors) % len(_PALETTE)])
+        return f"[{color}]{escape(step)}[/]"
+
+    def _print(self, text: str) -> None:
+        with self._lock:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def line(self, step: str, stream: str, text: str) -> None:
+        style = "dim red" if stream == "stderr" else ""
+        body = f"[{style}]{escape(text)}[/]" if style else escape(text)
+        self._print(f"{self._tag(step)} │ {body}")
+
+    def started(self, step: str, attempt: int, limit_bytes: int, limit_reason: str | None) -> None:
+        why = f" — {escape(limit_reason)}" if limit_reason else ""
+        self._print(f"{self._tag(step)} ▶ attempt {attempt}, memory limit {format_size(limit_bytes)}{why}")
+
+    def ended(self, step: str, attempt: int, decision: Decision, outcome: Outcome) -> None:
+        mark = "[green]✓[/]" if decision.verdict in DONE_VERDICTS else "[red]✗[/]"
+        if decision.verdict == Verdict.COMPLETED_THEN_CRASHED:
+            mark = "[yellow]![/]"
+        wall = format_duration(outcome.ended_at - outcome.started_at)
+        self._print(
+            f"{self._tag(step)} {mark} [bold]{decision.verdict}[/] in {wall}, peak "
+            f"{format_size(outcome.peak_bytes)} — {escape(decision.reason)}"
+        )
+
+    def skipped(self, step: str, reason: str) -> None:
+        self._print(f"{self._tag(step)} [dim]↷ skipped, {escape(reason)}[/]")
+
+    def blocked(self, step: str, reason: str) -> None:
+        self._print(f"{self._tag(step)} [yellow]∅ {escape(reason)}[/]")
+
+    def note(self, text: str) -> None:
+        self._print(f"[bold]eyrie[/] {escape(text)}")
+
+
+def make_executor(name: str) -> Executor:
+    if name == "local":
+        from pipeline.run.local import LocalExecutor
+
+        return LocalExecutor()
+    if name == "docker":
+        try:
+            from pipeline.run.docker import DockerExecutor
+        except ImportError as exc:
+            raise PipelineError(f"the docker executor is not available: {exc}") from None
+        return DockerExecutor()
+    raise PipelineError(f"--executor {name!r}: unknown executor; choose 'local' or 'docker'")
+
+
+def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
+    console = Console(stderr=False)
+    errors = Console(stderr=True)
+    try:
+        spec = load_pipeline(pipeline_file)
+        executor = make_executor(executor_name)
+        orchestrator = Orchestrator(spec, pipeline_file, run_dir, executor, ConsoleReporter(console))
+    except (PipelineError, CgroupError) as exc:
+        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+
+    def cancel(signum: int, _frame: object) -> None:
+        errors.print(f"[yellow]eyrie: {signal.Signals(signum).name}: stopping the running steps…[/]")
+        orchestrator.cancel()
+
+    previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = orchestrator.run()
+    except (PipelineError, CgroupError, RunDirBusy) as exc:
+        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    color = {"succeeded": "green", "cancelled": "yellow"}.get(result.state, "red")
+    console.print(
+        f"[bold]eyrie[/] run {result.run_id} [{color}]{result.state}[/]; "
+        f"see `eyrie status --run-dir {escape(str(run_dir))}`",
+        highlight=False,
+    )
+    return result.exit_code

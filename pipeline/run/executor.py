@@ -1,0 +1,122 @@
+"""What every executor takes (a Launch) and gives back (an Outcome).
+
+An executor starts one attempt of one step somewhere — a local cgroup, a
+container — and reports the raw facts of how it ended. It does not judge:
+``pipeline.run.verdict.decide`` turns an Outcome plus the state of the outputs
+into a verdict, the same way for every executor.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+LineSink = Callable[[str, str], None]
+"""Called with (stream name 'stdout'|'stderr', line without newline) for each output line."""
+
+STDERR_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt of one step, fully resolved."""
+
+    run_id: str
+    step: str
+    attempt: int
+    argv: list[str]
+    cwd: Path
+    env: dict[str, str]
+    limit_bytes: int
+    stdout_path: Path
+    stderr_path: Path
+    image: str | None = None
+    gpus: int = 0
+    on_line: LineSink | None = None
+
+
+@dataclass
+class Outcome:
+    """Raw facts of how an attempt ended, as the executor observed them."""
+
+    exit_code: int | None
+    """The main process's exit status; None when it died of a signal."""
+    signal: int | None
+    oom_kills_before: int
+    oom_kills_after: int
+    oom_at: float | None
+    """Wall-clock time at which the OOM-kill counter was first seen to rise."""
+    peak_bytes: int | None
+    anon_peak_bytes: int | None
+    started_at: float
+    ended_at: float
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    """(seconds since start, total bytes, anonymous bytes), about one point a second."""
+    stopped_by: str | None = None
+    """'timeout' or 'cancel' when the runner stopped the attempt."""
+    stderr_tail: list[str] = field(default_factory=list)
+    where: str = ""
+    """Where it ran: the cgroup path or container id."""
+
+    @property
+    def oom_kills(self) -> int:
+        return self.oom_kills_after - self.oom_kills_before
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.signal is None:
+            return None
+        try:
+            return signals.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+
+class RunningAttempt(Protocol):
+    pid: int | None
+    where: str
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        """The Outcome once the attempt ended, or None if ``timeout`` passed first."""
+
+    def stop(self, reason: str) -> None:
+        """Stop the attempt ('timeout' or 'cancel'): terminate, then kill what remains."""
+
+
+class Executor(Protocol):
+    name: str
+
+    def start(self, launch: Launch) -> RunningAttempt: ...
+
+    def reap(self, where: str) -> int:
+        """End what is left of an attempt whose runner died (``where`` as recorded); how many died."""
+
+
+class LineCapture:
+    """Copies one output stream to its log file and the line sink; keeps the last lines."""
+
+    def __init__(self, stream, log_path: Path, name: str, sink: LineSink | None) -> None:
+        self._stream, self._name, self._sink = stream, name, sink
+        self._log = open(log_path, "a", encoding="utf-8", errors="replace")
+        self.tail: list[str] = []
+        self._thread = threading.Thread(target=self._pump, name=f"capture-{name}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for raw in iter(self._stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self._log.write(line + "\n")
+            self._log.flush()
+            self.tail.append(line)
+            if len(self.tail) > STDERR_TAIL_LINES:
+                del self.tail[0]
+            if self._sink is not None:
+                self._sink(self._name, line)
+        self._log.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

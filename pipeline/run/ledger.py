@@ -1,0 +1,237 @@
+"""The ledger: every run, every step's state and every attempt's facts, in SQLite.
+
+WAL mode lets ``eyrie status`` read while a run writes, and writes from
+several finishing steps are serialised by one lock around one connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LEDGER_NAME = "ledger.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    pipeline TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    state TEXT NOT NULL,             -- running | succeeded | failed | cancelled
+    orchestrator_pid INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    executor TEXT NOT NULL,
+    budget_bytes INTEGER,
+    budget_binding TEXT,
+    steps TEXT NOT NULL              -- JSON list of step names in order
+);
+CREATE TABLE IF NOT EXISTS step_states (
+    run_id TEXT NOT NULL,
+    step TEXT NOT NULL,
+    state TEXT NOT NULL,             -- pending | running | done | skipped | failed | blocked | cancelled
+    detail TEXT NOT NULL DEFAULT '',
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    step TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    state TEXT NOT NULL,             -- running | ended
+    verdict TEXT,
+    reason TEXT,
+    executor TEXT NOT NULL,
+    pid INTEGER,
+    orchestrator_pid INTEGER NOT NULL,
+    location TEXT,
+    limit_bytes INTEGER NOT NULL,
+    limit_reason TEXT,
+    peak_bytes INTEGER,
+    anon_peak_bytes INTEGER,
+    oom_kills INTEGER,
+    oom_kills_before INTEGER,
+    oom_kills_after INTEGER,
+    oom_at REAL,
+    exit_code INTEGER,
+    signal INTEGER,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    host_mem_available INTEGER,
+    host_mem_total INTEGER,
+    image TEXT,
+    commit_id TEXT,
+    records INTEGER,
+    stderr_tail TEXT,
+    argv TEXT NOT NULL,
+    UNIQUE (step, attempt)
+);
+CREATE TABLE IF NOT EXISTS samples (
+    attempt_id INTEGER NOT NULL REFERENCES attempts(id),
+    t REAL NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    anon_bytes INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_by_attempt ON samples(attempt_id);
+"""
+
+ATTEMPT_JSON_FIELDS = (
+    "run_id", "step", "attempt", "state", "verdict", "reason", "executor", "pid", "location",
+    "limit_bytes", "limit_reason", "peak_bytes", "anon_peak_bytes", "oom_kills",
+    "oom_kills_before", "oom_kills_after", "oom_at", "exit_code", "signal", "started_at",
+    "ended_at", "host_mem_available", "host_mem_total", "image", "commit_id", "records",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    data: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def wall_s(self) -> float | None:
+        end = self.data["ended_at"]
+        return None if end is None else end - self.data["started_at"]
+
+    def as_json(self) -> dict[str, Any]:
+        out = {k: self.data[k] for k in ATTEMPT_JSON_FIELDS}
+        out["wall_s"] = self.wall_s
+        out["stderr_tail"] = json.loads(self.data["stderr_tail"] or "[]")
+        out["argv"] = json.loads(self.data["argv"])
+        return out
+
+
+class Ledger:
+    def __init__(self, run_dir: str | Path, *, create: bool = True) -> None:
+        self.path = Path(run_dir) / LEDGER_NAME
+        if not create and not self.path.exists():
+            raise FileNotFoundError(
+                f"no ledger at {self.path}: run a pipeline with `eyrie run FILE --run-dir "
+                f"{Path(run_dir)}` first, or pass the right --run-dir"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        if create:
+            with self._lock:
+                self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _write(self, sql: str, params: tuple | dict = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, params)
+
+    # -- runs and step states ---------------------------------------------------------
+    def start_run(self, run_id: str, pipeline: str, executor: str, steps: list[str],
+                  budget_bytes: int | None, budget_binding: str | None) -> None:  # fmt: skip
+        self._write(
+            "INSERT INTO runs (run_id, pipeline, started_at, state, orchestrator_pid, host, executor,"
+            " budget_bytes, budget_binding, steps) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
+            (run_id, pipeline, time.time(), os.getpid(), socket.gethostname(), executor,
+             budget_bytes, budget_binding, json.dumps(steps)),
+        )  # fmt: skip
+        for step in steps:
+            self.set_step_state(run_id, step, "pending")
+
+    def end_run(self, run_id: str, state: str) -> None:
+        self._write("UPDATE runs SET ended_at = ?, state = ? WHERE run_id = ?", (time.time(), state, run_id))
+
+    def set_step_state(self, run_id: str, step: str, state: str, detail: str = "") -> None:
+        self._write(
+            "INSERT INTO step_states (run_id, step, state, detail, updated_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (run_id, step) DO UPDATE SET state = excluded.state,"
+            " detail = excluded.detail, updated_at = excluded.updated_at",
+            (run_id, step, state, detail, time.time()),
+        )
+
+    def latest_run(self) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT * FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()
+        return dict(row) if row else None
+
+    def step_states(self, run_id: str) -> dict[str, dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM step_states WHERE run_id = ?", (run_id,)).fetchall()
+        return {r["step"]: dict(r) for r in rows}
+
+    # -- attempts -----------------------------------------------------------------------
+    def next_attempt_number(self, step: str) -> int:
+        row = self._db.execute("SELECT MAX(attempt) FROM attempts WHERE step = ?", (step,)).fetchone()
+        return (row[0] or 0) + 1
+
+    def begin_attempt(self, *, run_id: str, step: str, attempt: int, executor: str,
+                      limit_bytes: int, limit_reason: str | None, argv: list[str],
+                      host_mem_available: int, host_mem_total: int, image: str | None,
+                      commit_id: str | None) -> int:  # fmt: skip
+        cursor = self._write(
+            "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
+            " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
+            " commit_id, argv) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, step, attempt, executor, os.getpid(), limit_bytes, limit_reason, time.time(),
+             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv)),
+        )  # fmt: skip
+        return int(cursor.lastrowid)
+
+    def attempt_started(self, attempt_id: int, pid: int | None, location: str) -> None:
+        self._write("UPDATE attempts SET pid = ?, location = ? WHERE id = ?", (pid, location, attempt_id))
+
+    def end_attempt(self, attempt_id: int, *, verdict: str, reason: str, fields: dict[str, Any],
+                    timeline: list[tuple[float, int, int]]) -> None:  # fmt: skip
+        allowed = {
+            "peak_bytes", "anon_peak_bytes", "oom_kills", "oom_kills_before", "oom_kills_after",
+            "oom_at", "exit_code", "signal", "ended_at", "records", "stderr_tail", "started_at",
+        }  # fmt: skip
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"not attempt fields: {sorted(unknown)}")
+        assignments = ", ".join(f"{k} = :{k}" for k in fields)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    f"UPDATE attempts SET state = 'ended', verdict = :verdict, reason = :reason"
+                    f"{', ' if assignments else ''}{assignments} WHERE id = :id",
+                    {**fields, "verdict": verdict, "reason": reason, "id": attempt_id},
+                )
+                self._db.executemany(
+                    "INSERT INTO samples (attempt_id, t, total_bytes, anon_bytes) VALUES (?, ?, ?, ?)",
+                    [(attempt_id, t, total, anon) for t, total, anon in timeline],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def attempts(self, step: str | None = None) -> list[AttemptRow]:
+        sql, params = "SELECT * FROM attempts", ()
+        if step is not None:
+            sql, params = sql + " WHERE step = ?", (step,)
+        rows = self._db.execute(sql + " ORDER BY started_at, id", params).fetchall()
+        return [AttemptRow(dict(r)) for r in rows]
+
+    def running_attempts(self) -> list[AttemptRow]:
+        rows = self._db.execute("SELECT * FROM attempts WHERE state = 'running'").fetchall()
+        return [AttemptRow(dict(r)) for r in rows]
+
+    def timeline(self, attempt_id: int) -> list[tuple[float, int, int]]:
+        rows = self._db.execute(
+            "SELECT t, total_bytes, anon_bytes FROM samples WHERE attempt_id = ? ORDER BY t",
+            (attempt_id,),
+        ).fetchall()
+        return [tuple(r) for r in rows]

@@ -1,0 +1,125 @@
+"""The local executor: each attempt is a process tree in a child cgroup of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from pipeline.memory import Cgroup, CgroupError, step_parent
+from pipeline.run.executor import Launch, LineCapture, Outcome
+from pipeline.run.monitor import CgroupMonitor
+
+STOP_GRACE_S = 5.0
+
+# The process joins its cgroup before it execs the step, so nothing the step
+# allocates is ever charged elsewhere; `exec` keeps the step's pid = this pid.
+_TRAMPOLINE = 'echo $$ > "$1" || exit 126; shift; exec "$@"'
+
+
+class LocalAttempt:
+    def __init__(self, launch: Launch, cgroup: Cgroup) -> None:
+        self.launch = launch
+        self.cgroup = cgroup
+        self.where = str(cgroup.path)
+        self._stopped_by: str | None = None
+        self.started_at = time.time()
+        env = {**launch.env, "PYTHONUNBUFFERED": "1"}
+        self.monitor = CgroupMonitor(cgroup)
+        self.proc = subprocess.Popen(
+            ["/bin/sh", "-c", _TRAMPOLINE, "eyrie-step", str(cgroup.path / "cgroup.procs"), *launch.argv],
+            cwd=launch.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # the console's Ctrl-C reaches the runner, which stops steps itself
+        )
+        self.pid: int | None = self.proc.pid
+        self.monitor.start()
+        self._out = LineCapture(self.proc.stdout, launch.stdout_path, "stdout", launch.on_line)
+        self._err = LineCapture(self.proc.stderr, launch.stderr_path, "stderr", launch.on_line)
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        try:
+            status = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        ended_at = time.time()
+        # Children may outlive the main process; they belong to the attempt and end with it.
+        if self.cgroup.procs():
+            self.cgroup.kill_all(signal.SIGKILL)
+            self._wait_empty(STOP_GRACE_S)
+        self._out.join(2)
+        self._err.join(2)
+        report = self.monitor.finish()
+        self.cgroup.remove()
+        return Outcome(
+            exit_code=status if status >= 0 else None,
+            signal=-status if status < 0 else None,
+            oom_kills_before=report.oom_kills_before,
+            oom_kills_after=report.oom_kills_after,
+            oom_at=report.oom_at,
+            peak_bytes=report.peak_bytes,
+            anon_peak_bytes=report.anon_peak_bytes,
+            started_at=self.started_at,
+            ended_at=ended_at,
+            timeline=report.timeline,
+            stopped_by=self._stopped_by,
+            stderr_tail=list(self._err.tail),
+            where=self.where,
+        )
+
+    def stop(self, reason: str) -> None:
+        self._stopped_by = self._stopped_by or reason
+        self.cgroup.kill_all(signal.SIGTERM)
+        if not self._wait_empty(STOP_GRACE_S):
+            self.cgroup.kill_all(signal.SIGKILL)
+
+    def _wait_empty(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not self.cgroup.procs():
+                return True
+            time.sleep(0.05)
+        return False
+
+
+class LocalExecutor:
+    """Runs attempts as local processes, each in ``<this cgroup>/eyrie/<run>-<step>-<attempt>``."""
+
+    name = "local"
+
+    def __init__(self, parent: Cgroup | None = None) -> None:
+        self.parent = parent or step_parent()
+
+    def cgroup_for(self, launch: Launch) -> Cgroup:
+        return self.parent.child(f"{launch.run_id}-{launch.step}-{launch.attempt}")
+
+    def reap(self, where: str) -> int:
+        cgroup = self.parent.child(Path(where).name)
+        if not cgroup.exists():
+            return 0
+        killed = cgroup.kill_all()
+        deadline = time.monotonic() + STOP_GRACE_S
+        while cgroup.procs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cgroup.remove()
+        return killed
+
+    def start(self, launch: Launch) -> LocalAttempt:
+        cgroup = self.cgroup_for(launch)
+        if cgroup.exists():  # left by a crashed earlier runner with the same run id
+            cgroup.kill_all()
+            cgroup.remove()
+        cgroup.create()
+        try:
+            cgroup.set_limit(launch.limit_bytes)
+        except CgroupError:
+            cgroup.remove()
+            raise
+        launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(launch.cwd, exist_ok=True)
+        return LocalAttempt(launch, cgroup)

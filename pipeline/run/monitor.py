@@ -1,0 +1,90 @@
+"""Watches one step's cgroup while it runs: memory timeline, anonymous peak, OOM kills.
+
+Polling every 0.1 s keeps the recorded time of an OOM kill within a fraction of
+a second of the kernel's event (the ledger's promise is "within a second");
+timeline points are kept about once a second, each the maximum of its window,
+so a short spike is not lost between points.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pipeline.memory import Cgroup
+
+POLL_S = 0.1
+TIMELINE_S = 1.0
+
+
+@dataclass
+class MonitorReport:
+    oom_kills_before: int
+    oom_kills_after: int
+    oom_at: float | None
+    peak_bytes: int | None
+    anon_peak_bytes: int | None
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+class CgroupMonitor:
+    def __init__(self, cgroup: Cgroup, *, oom_kills_before: int | None = None) -> None:
+        self.cgroup = cgroup
+        self.started = time.time()
+        self._before = cgroup.oom_kills() if oom_kills_before is None else oom_kills_before
+        self._last_kills = self._before
+        self._oom_at: float | None = None
+        self._total_peak = 0
+        self._anon_peak = 0
+        self._window: tuple[int, int] = (0, 0)
+        self._window_start = self.started
+        self._timeline: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"monitor-{cgroup.path.name}", daemon=True)
+
+    def start(self) -> CgroupMonitor:
+        self._poll()
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        now = time.time()
+        try:
+            kills = self.cgroup.oom_kills()
+            sample = self.cgroup.sample()
+        except (FileNotFoundError, OSError):
+            return  # the cgroup went away (a container removed): keep what was seen
+        if kills > self._last_kills and self._oom_at is None:
+            self._oom_at = now
+        self._last_kills = max(self._last_kills, kills)
+        self._total_peak = max(self._total_peak, sample.total)
+        self._anon_peak = max(self._anon_peak, sample.anon)
+        self._window = (max(self._window[0], sample.total), max(self._window[1], sample.anon))
+        if now - self._window_start >= TIMELINE_S:
+            self._timeline.append((round(now - self.started, 3), *self._window))
+            self._window, self._window_start = (0, 0), now
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self._poll()
+
+    def finish(self) -> MonitorReport:
+        """Stop watching; read the counters one last time (the cgroup must still exist)."""
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        if self._window != (0, 0):
+            self._timeline.append((round(time.time() - self.started, 3), *self._window))
+        try:
+            kernel_peak = self.cgroup.peak()
+        except OSError:
+            kernel_peak = None
+        return MonitorReport(
+            oom_kills_before=self._before,
+            oom_kills_after=self._last_kills,
+            oom_at=self._oom_at,
+            peak_bytes=max(kernel_peak or 0, self._total_peak) or None,
+            anon_peak_bytes=self._anon_peak or None,
+            timeline=self._timeline,
+        )

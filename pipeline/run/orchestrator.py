@@ -1,0 +1,436 @@
+"""Runs a pipeline: order, memory-bounded parallelism, resume, retry, and the ledger.
+
+Steps whose needs are met run side by side while the sum of their memory
+limits fits the budget. Each attempt's outcome becomes a verdict
+(``verdict.decide``) and a ledger row. A rerun in the same run directory skips
+steps whose manifest matches their inputs; a runner killed without warning
+leaves attempts marked ``running`` that the next run closes as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import queue
+import re
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from pipeline.memory import format_size, memory_budget, read_meminfo
+from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
+from pipeline.run.ledger import Ledger
+from pipeline.run.manifest import (
+    FINGERPRINT_ENV,
+    MANIFEST_NAME,
+    RUN_DIR_ENV,
+    STEP_DIR_ENV,
+    STEP_NAME_ENV,
+    check_manifest,
+    manifest_digest,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
+from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict, decide
+
+PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
+STATE_DIR = ".eyrie"
+_VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_MIB = 1024 * 1024
+
+
+class Reporter(Protocol):
+    """What the runner tells whoever watches it (the console, a test)."""
+
+    def line(self, step: str, stream: str, text: str) -> None: ...
+    def started(self, step: str, attempt: int, limit_bytes: int, limit_reason: str | None) -> None: ...
+    def ended(self, step: str, attempt: int, decision: Decision, outcome: Outcome) -> None: ...
+    def skipped(self, step: str, reason: str) -> None: ...
+    def blocked(self, step: str, reason: str) -> None: ...
+    def note(self, text: str) -> None: ...
+
+
+class RunDirBusy(RuntimeError):
+    pass
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    state: str  # succeeded | failed | cancelled
+    step_states: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return {"succeeded": 0, "cancelled": 130}.get(self.state, 1)
+
+
+@dataclass
+class _Running:
+    step: StepSpec
+    attempt: int
+    attempt_id: int
+    launch: Launch
+    handle: RunningAttempt
+    fingerprint: str
+
+
+def eyrie_commit() -> str | None:
+    """The git commit of the eyrie source this runs from, when it runs from a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=5, check=True,
+        )  # fmt: skip
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        pipeline_path: Path,
+        run_dir: Path,
+        executor: Executor,
+        reporter: Reporter,
+    ) -> None:
+        self.spec = spec
+        self.pipeline_path = pipeline_path.resolve()
+        self.run_dir = run_dir.resolve()
+        self.executor = executor
+        self.reporter = reporter
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.commit = eyrie_commit()
+        self._results: queue.Queue[tuple[_Running, Outcome]] = queue.Queue()
+        self._running: dict[str, _Running] = {}
+        self._cancel = threading.Event()
+
+    # -- public ----------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock_run_dir():
+            ledger = Ledger(self.run_dir)
+            try:
+                return self._run(ledger)
+            finally:
+                ledger.close()
+
+    def cancel(self) -> None:
+        """Ask the run to stop: running attempts are stopped and recorded as cancelled."""
+        self._cancel.set()
+
+    # -- the loop ----------------------------------------------------------------------
+    def _run(self, ledger: Ledger) -> RunResult:
+        self._close_orphans(ledger)
+        budget = memory_budget()
+        pool = min(budget.available, self.spec.budget or budget.available)
+        binding = budget.binding if pool == budget.available else "the pipeline's budget"
+        for step in self.spec.steps:
+            if step.memory > pool:
+                raise PipelineError(
+                    f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
+                    f"exceeds the {format_size(pool)} this host really has (set by {binding}); "
+                    "lower it or free memory"
+                )
+        argvs = {s.name: self._expand(s) for s in self.spec.steps}
+        order = [s.name for s in self.spec.order()]
+        ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
+        self.reporter.note(
+            f"run {self.run_id}: {len(order)} steps, budget {format_size(pool)} (set by {binding}), "
+            f"executor {self.executor.name}"
+        )
+        states = {name: "pending" for name in order}
+        limits = {s.name: s.memory for s in self.spec.steps}
+        limit_reasons: dict[str, str | None] = {name: None for name in order}
+        attempts_made = {name: 0 for name in order}
+
+        def launch_ready() -> None:
+            progress = True
+            while progress and not self._cancel.is_set():
+                progress = False
+                in_use = sum(r.launch.limit_bytes for r in self._running.values())
+                for name in order:
+                    step = self.spec.step(name)
+                    if states[name] != "pending" or not all(states[n] in ("done", "skipped") for n in step.needs):
+                        continue
+                    fingerprint = self._fingerprint(step, argvs[name])
+                    up_to_date, why = self._up_to_date(step, fingerprint)
+                    if up_to_date and attempts_made[name] == 0:
+                        states[name] = "skipped"
+                        ledger.set_step_state(self.run_id, name, "skipped", why)
+                        self.reporter.skipped(name, why)
+                        progress = True
+                        continue
+                    if in_use + limits[name] > pool:
+                        continue
+                    attempts_made[name] += 1
+                    self._start(ledger, step, argvs[name], fingerprint, limits[name], limit_reasons[name])
+                    states[name] = "running"
+                    ledger.set_step_state(self.run_id, name, "running")
+                    in_use += limits[name]
+                    progress = True
+
+        def finish(name: str, state: str, detail: str) -> None:
+            states[name] = state
+            ledger.set_step_state(self.run_id, name, state, detail)
+            if state in ("failed", "cancelled"):
+                for dependent in self.spec.dependents(name):
+                    if states[dependent] == "pending":
+                        states[dependent] = "blocked"
+                        why = f"not run: {name} ended {detail.split(':')[0]}"
+                        ledger.set_step_state(self.run_id, dependent, "blocked", why)
+                        self.reporter.blocked(dependent, why)
+
+        stopping = False
+        launch_ready()
+        while self._running:
+            try:
+                running, outcome = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if self._cancel.is_set() and not stopping:
+                    stopping = True
+                    for r in list(self._running.values()):
+                        threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
+                continue
+            del self._running[running.step.name]
+            step = running.step
+            decision = self._record(ledger, running, outcome)
+            name = step.name
+            if decision.verdict in DONE_VERDICTS:
+                finish(name, "done", str(decision.verdict))
+            elif decision.verdict == Verdict.CANCELLED or self._cancel.is_set():
+                finish(name, "cancelled", str(decision.verdict))
+            elif decision.verdict in step.retry_on and attempts_made[name] <= step.retries:
+                new_limit, why = self._next_limit(step, decision.verdict, limits[name], outcome, pool)
+                if new_limit is None:
+                    finish(name, "failed", f"{decision.verdict}: {why}")
+                else:
+                    limits[name], limit_reasons[name] = new_limit, why
+                    states[name] = "pending"
+                    self.reporter.note(f"{name}: retrying ({why})")
+            else:
+                finish(name, "failed", f"{decision.verdict}: {decision.reason}")
+            launch_ready()
+
+        for name, state in states.items():
+            if state == "pending":  # only when cancelled before it could start
+                finish(name, "cancelled", "cancelled: the run was cancelled before it started")
+        if self._cancel.is_set():
+            run_state = "cancelled"
+        elif all(s in ("done", "skipped") for s in states.values()):
+            run_state = "succeeded"
+        else:
+            run_state = "failed"
+        ledger.end_run(self.run_id, run_state)
+        return RunResult(self.run_id, run_state, dict(states))
+
+    # -- one attempt ---------------------------------------------------------------------
+    def _start(self, ledger: Ledger, step: StepSpec, argv: list[str], fingerprint: str,
+               limit: int, limit_reason: str | None) -> None:  # fmt: skip
+        step_dir = self.run_dir / step.name
+        step_dir.mkdir(parents=True, exist_ok=True)
+        # A manifest from an earlier attempt must not make this one look complete.
+        (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        attempt = ledger.next_attempt_number(step.name)
+        logs = self.run_dir / STATE_DIR / "logs" / step.name
+        meminfo = read_meminfo()
+        env = {**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint}
+        launch = Launch(
+            run_id=self.run_id,
+            step=step.name,
+            attempt=attempt,
+            argv=argv,
+            cwd=step_dir,
+            env=env,
+            limit_bytes=limit,
+            stdout_path=logs / f"attempt-{attempt}.stdout.log",
+            stderr_path=logs / f"attempt-{attempt}.stderr.log",
+            image=step.image,
+            gpus=step.gpus,
+            on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
+        )
+        attempt_id = ledger.begin_attempt(
+            run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
+            limit_bytes=limit, limit_reason=limit_reason, argv=argv,
+            host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
+            image=step.image, commit_id=self.commit,
+        )  # fmt: skip
+        self.reporter.started(step.name, attempt, limit, limit_reason)
+        handle = self.executor.start(launch)
+        ledger.attempt_started(attempt_id, handle.pid, handle.where)
+        running = _Running(step, attempt, attempt_id, launch, handle, fingerprint)
+        self._running[step.name] = running
+        threading.Thread(target=self._wait, args=(running,), name=f"wait-{step.name}", daemon=True).start()
+
+    def _wait(self, running: _Running) -> None:
+        timeout = running.step.timeout
+        outcome = running.handle.wait(timeout)
+        if outcome is None:
+            running.handle.stop("timeout")
+            outcome = running.handle.wait()
+        self._results.put((running, outcome))
+
+    def _record(self, ledger: Ledger, running: _Running, outcome: Outcome) -> Decision:
+        step, step_dir = running.step, running.launch.cwd
+        complete, detail = check_manifest(step_dir, step.outputs)
+        if not complete and outcome.exit_code == 0 and read_manifest(step_dir) is None:
+            # A plain command does not write a manifest: on success the runner writes it.
+            try:
+                write_manifest(step_dir, step.outputs, step=step.name, fingerprint=running.fingerprint)
+                complete, detail = check_manifest(step_dir, step.outputs)
+            except FileNotFoundError as exc:
+                detail = str(exc)
+        decision = decide(outcome, complete, detail)
+        manifest = read_manifest(step_dir) if complete else None
+        ledger.end_attempt(
+            running.attempt_id,
+            verdict=decision.verdict.value,
+            reason=decision.reason,
+            fields={
+                "peak_bytes": outcome.peak_bytes,
+                "anon_peak_bytes": outcome.anon_peak_bytes,
+                "oom_kills": outcome.oom_kills,
+                "oom_kills_before": outcome.oom_kills_before,
+                "oom_kills_after": outcome.oom_kills_after,
+                "oom_at": outcome.oom_at,
+                "exit_code": outcome.exit_code,
+                "signal": outcome.signal,
+                "started_at": outcome.started_at,
+                "ended_at": outcome.ended_at,
+                "records": manifest.records() if manifest else None,
+                "stderr_tail": json.dumps(outcome.stderr_tail),
+            },
+            timeline=outcome.timeline,
+        )
+        self.reporter.ended(step.name, running.attempt, decision, outcome)
+        return decision
+
+    @staticmethod
+    def _next_limit(step: StepSpec, verdict: Verdict, limit: int, outcome: Outcome,
+                    pool: int) -> tuple[int | None, str]:  # fmt: skip
+        if verdict not in (Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR):
+            return limit, f"attempt after {verdict}, retry_on names it; limit unchanged"
+        basis = max(limit, outcome.peak_bytes or 0)
+        wanted = math.ceil(basis * step.memory_growth / _MIB) * _MIB
+        new = min(wanted, pool)
+        if new <= limit:
+            return None, f"cannot raise the limit above {format_size(limit)}: the budget is {format_size(pool)}"
+        capped = " (capped by the budget)" if new < wanted else ""
+        return new, (
+            f"limit raised from {format_size(limit)} to {format_size(new)}{capped} after {verdict}: "
+            f"peak {format_size(outcome.peak_bytes)} × {step.memory_growth}"
+        )
+
+    # -- inputs, fingerprints, resume --------------------------------------------------------
+    def _eyrie_env(self, step: StepSpec) -> dict[str, str]:
+        return {
+            RUN_DIR_ENV: str(self.run_dir),
+            STEP_DIR_ENV: str(self.run_dir / step.name),
+            STEP_NAME_ENV: step.name,
+            PIPELINE_DIR_ENV: str(self.pipeline_path.parent),
+        }
+
+    def _expand(self, step: StepSpec) -> list[str]:
+        variables = {**self._eyrie_env(step), **step.env}
+
+        def substitute(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name in variables:
+                return variables[name]
+            if name in os.environ:
+                return os.environ[name]
+            raise PipelineError(
+                f"{self.pipeline_path}: steps ({step.name}).command: unknown variable ${{{name}}}; "
+                f"known: {', '.join(sorted(variables))} and the environment"
+            )
+
+        return [_VAR_RE.sub(substitute, arg) for arg in step.command]
+
+    def _fingerprint(self, step: StepSpec, argv: list[str]) -> str:
+        inputs = {}
+        for rel in step.inputs:
+            path = self.pipeline_path.parent / rel
+            if not path.is_file():
+                raise PipelineError(f"{self.pipeline_path}: steps ({step.name}).inputs: {path} does not exist")
+            inputs[rel] = sha256_file(path)
+        payload = {
+            "argv": argv,
+            "env": step.env,
+            "image": step.image,
+            "outputs": step.outputs,
+            "needs": {n: manifest_digest(self.run_dir / n) for n in step.needs},
+            "inputs": inputs,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def _up_to_date(self, step: StepSpec, fingerprint: str) -> tuple[bool, str]:
+        step_dir = self.run_dir / step.name
+        manifest = read_manifest(step_dir)
+        if manifest is None:
+            return False, "no manifest"
+        if manifest.fingerprint != fingerprint:
+            return False, "its command, inputs or upstream outputs changed"
+        complete, detail = check_manifest(step_dir, step.outputs)
+        if not complete:
+            return False, detail
+        return True, "up to date: its manifest matches its outputs and inputs"
+
+    # -- crash safety ----------------------------------------------------------------------
+    def _lock_run_dir(self):
+        state = self.run_dir / STATE_DIR
+        state.mkdir(parents=True, exist_ok=True)
+        lock_path = state / "lock"
+        fh = open(lock_path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise RunDirBusy(
+                f"{self.run_dir} is in use by eyrie pid {holder}; wait for it, or use another --run-dir"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        return _Unlock(fh)
+
+    def _close_orphans(self, ledger: Ledger) -> None:
+        """Attempts still 'running' belong to a runner that died: end what is left of them."""
+        for row in ledger.running_attempts():
+            killed = self.executor.reap(row.location) if row.location else 0
+            reason = (
+                f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
+                f"found at the next run, {killed} leftover process(es) killed"
+            )
+            ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
+                               fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
+            self.reporter.note(f"{row.step} attempt {row.attempt}: {reason}")
+        latest = ledger.latest_run()
+        if latest and latest["state"] == "running":
+            ledger.end_run(latest["run_id"], "cancelled")
+
+
+class _Unlock:
+    def __init__(self, fh) -> None:
+        self.fh = fh
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+

@@ -1,0 +1,172 @@
+"""The pipeline file: steps declared, not coded into the orchestrator."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pipeline.memory import parse_duration, parse_size
+from pipeline.run.verdict import Verdict
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+Size = Annotated[int, BeforeValidator(parse_size)]
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+DEFAULT_RETRY_ON = [Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR]
+
+
+class PipelineError(ValueError):
+    """The pipeline file is wrong; the message names the file and the field."""
+
+
+class StepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_RE)
+    command: list[str] = Field(min_length=1)
+    memory: Size
+    needs: list[str] = []
+    inputs: list[str] = []
+    """Files (relative to the pipeline file) whose content the step's results depend on."""
+    outputs: list[str] = []
+    """Paths relative to the step's directory that the step must produce."""
+    timeout: Duration | None = None
+    retries: int = Field(0, ge=0, le=20)
+    retry_on: list[Verdict] = DEFAULT_RETRY_ON
+    """Verdicts after which a retry makes sense; failed/crashed only when named here."""
+    memory_growth: float = Field(1.5, gt=1.0, le=10.0)
+    """After an OOM kill the next limit is the recorded peak (or the limit) times this."""
+    env: dict[str, str] = {}
+    image: str | None = None
+    gpus: int = Field(0, ge=0)
+
+    @field_validator("memory")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 4 * 1024 * 1024:
+            raise ValueError("memory limit must be at least 4MiB")
+        return value
+
+    @field_validator("outputs", "inputs")
+    @classmethod
+    def _relative(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if Path(path).is_absolute() or ".." in Path(path).parts:
+                raise ValueError(f"{path!r} must be a relative path inside its directory")
+        return paths
+
+    @field_validator("retry_on")
+    @classmethod
+    def _retryable(cls, verdicts: list[Verdict]) -> list[Verdict]:
+        if Verdict.SUCCEEDED in verdicts or Verdict.CANCELLED in verdicts:
+            raise ValueError("succeeded and cancelled attempts are never retried")
+        return verdicts
+
+
+class PipelineSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "pipeline"
+    budget: Size | None = None
+    """Cap on the memory all running steps may hold together (default: what the host really has)."""
+    steps: list[StepSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _graph(self) -> PipelineSpec:
+        names = [s.name for s in self.steps]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"step names must be unique; repeated: {', '.join(dupes)}")
+        for step in self.steps:
+            unknown = [n for n in step.needs if n not in names]
+            if unknown:
+                raise ValueError(f"step {step.name!r} needs unknown step(s) {', '.join(unknown)}")
+        self.order()  # raises on a cycle
+        return self
+
+    def step(self, name: str) -> StepSpec:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(name)
+
+    def order(self) -> list[StepSpec]:
+        """Steps in dependency order (file order among independent ones)."""
+        done: list[str] = []
+        pending = list(self.steps)
+        while pending:
+            ready = [s for s in pending if all(n in done for n in s.needs)]
+            if not ready:
+                cycle = ", ".join(s.name for s in pending)
+                raise ValueError(f"the needs of steps {cycle} form a cycle")
+            for step in ready:
+                done.append(step.name)
+                pending.remove(step)
+        return [self.step(n) for n in done]
+
+    def dependents(self, name: str) -> list[str]:
+        """Every step that needs ``name``, directly or not."""
+        out: list[str] = []
+        frontier = [name]
+        while frontier:
+            current = frontier.pop()
+            for step in self.steps:
+                if current in step.needs and step.name not in out:
+                    out.append(step.name)
+                    frontier.append(step.name)
+        return out
+
+
+def _location(loc: tuple[Any, ...], raw: Any) -> str:
+    parts: list[str] = []
+    node = raw
+    for item in loc:
+        if isinstance(item, int):
+            name = node[item].get("name") if isinstance(node, list) and isinstance(node[item], dict) else None
+            parts.append(f"[{item}]" + (f" ({name})" if name else ""))
+        else:
+            parts.append(("." if parts else "") + str(item))
+        try:
+            node = node[item]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return "".join(parts) or "(top level)"
+
+
+def load_pipeline(path: str | Path) -> PipelineSpec:
+    """Read and validate a pipeline file; any problem is one PipelineError line naming file and key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: no such pipeline file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise PipelineError(f"{path}{where}: invalid YAML: {problem}") from None
+    if not isinstance(raw, dict):
+        raise PipelineError(f"{path}: expected a mapping with a 'steps' list at the top level")
+    try:
+        return PipelineSpec.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = _location(error["loc"], raw)
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (check its spelling against the step fields in the README)"
+        message = re.sub(r"^Value error, ", "", message)
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise PipelineError(f"{path}: {where}: {message}{more}") from None

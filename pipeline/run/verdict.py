@@ -1,0 +1,94 @@
+"""One verdict per attempt, decided from evidence (DESIGN.md, "Verdicts").
+
+Exit 137 is not evidence of an OOM kill, and neither is Docker's OOMKilled
+flag: only the cgroup's OOM-kill counter rising during the attempt is.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal
+from dataclasses import dataclass
+
+from pipeline.run.executor import Outcome
+
+
+class Verdict(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    OOM_KILLED = "oom_killed"
+    CHILD_OOM_KILLED = "child_oom_killed"
+    COMPLETED_THEN_CRASHED = "completed_then_crashed"
+    MEMORY_ERROR = "memory_error"
+    CRASHED = "crashed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The step's outputs can be used: the pipeline goes on.
+DONE_VERDICTS = frozenset({Verdict.SUCCEEDED, Verdict.COMPLETED_THEN_CRASHED})
+
+_MEMORY_ERROR = re.compile(
+    r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory|out of memory|OutOfMemoryError",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str
+    """One line: the evidence that decided the verdict."""
+
+
+def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
+    """The verdict of an attempt, from what the executor saw and the state of its outputs."""
+    ended = _ending(outcome)
+    if outcome.stopped_by == "timeout":
+        return Decision(Verdict.TIMED_OUT, f"the runner stopped it at its timeout; {ended}")
+    if outcome.stopped_by == "cancel":
+        return Decision(Verdict.CANCELLED, f"the runner cancelled it; {ended}")
+    if outcome.oom_kills > 0:
+        counter = f"oom_kill went {outcome.oom_kills_before}→{outcome.oom_kills_after} in its cgroup"
+        if outcome.signal == signal.SIGKILL:
+            return Decision(Verdict.OOM_KILLED, f"{counter}; {ended}")
+        return Decision(
+            Verdict.CHILD_OOM_KILLED,
+            f"{counter}, but the main process was not the one killed: {ended}",
+        )
+    if outcome.exit_code == 0:
+        if outputs_complete:
+            return Decision(Verdict.SUCCEEDED, f"exit 0; {outputs_detail}")
+        return Decision(Verdict.FAILED, f"exit 0 but the outputs are not complete: {outputs_detail}")
+    if outputs_complete:
+        return Decision(
+            Verdict.COMPLETED_THEN_CRASHED,
+            f"its outputs were complete ({outputs_detail}), then {ended}",
+        )
+    memory_line = next((line for line in outcome.stderr_tail if _MEMORY_ERROR.search(line)), None)
+    if memory_line is not None:
+        return Decision(
+            Verdict.MEMORY_ERROR,
+            f"{ended} after an allocation failure without an OOM kill: {memory_line.strip()}",
+        )
+    if outcome.signal is not None:
+        return Decision(Verdict.CRASHED, f"{ended}, and no OOM kill was counted in its cgroup")
+    last = _last_meaningful(outcome.stderr_tail)
+    return Decision(Verdict.FAILED, f"{ended}" + (f": {last}" if last else ""))
+
+
+def _ending(outcome: Outcome) -> str:
+    if outcome.signal is not None:
+        return f"the main process died of {outcome.signal_name}"
+    return f"the main process exited with {outcome.exit_code}"
+
+
+def _last_meaningful(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return None

@@ -1,0 +1,78 @@
+"""Processes that end in each way the verdict table knows, for real.
+
+Run as a step by eyrie (cwd = the step directory): ``python scenario.py NAME``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+
+MIB = 1024 * 1024
+
+
+def allocate_forever() -> None:
+    chunks = []
+    while True:
+        chunks.append(b"\x01" * (8 * MIB))  # written, so every page is charged
+
+
+def succeed() -> None:
+    with atomic_path("result.txt") as tmp:
+        tmp.write_text("done\n")
+
+
+def oom() -> None:
+    allocate_forever()
+
+
+def child_oom() -> None:
+    child = subprocess.run([sys.executable, __file__, "oom"])
+    print(f"child ended with {child.returncode}; the parent carries on and exits 0")
+
+
+def write_then_abort() -> None:
+    with atomic_path("result.txt") as tmp:
+        tmp.write_text("done\n")
+    write_manifest(step_dir_from_env(), ["result.txt"])
+    sys.stdout.flush()
+    os.abort()  # as pyarrow does at interpreter shutdown, after all the work
+
+
+def segfault() -> None:
+    ctypes.string_at(0)
+
+
+def exception() -> None:
+    raise ValueError("row 17: field 'messages' is not a list")
+
+
+def sleep() -> None:
+    time.sleep(600)
+
+
+def killed_from_outside() -> None:
+    # Another process (not the OOM killer) sends SIGKILL: exit 137 without any OOM.
+    subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -9 {os.getpid()}"])
+    time.sleep(600)
+
+
+def memory_error() -> None:
+    bytearray(1 << 50)  # 1 PiB: malloc refuses at once, no page is touched, nothing is killed
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (succeed, oom, child_oom, write_then_abort, segfault, exception, sleep,
+              killed_from_outside, memory_error)
+}  # fmt: skip
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    SCENARIOS[sys.argv[1]]()
