@@ -17,6 +17,7 @@ import os
 import queue
 import re
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -334,7 +335,10 @@ class Orchestrator:
 
     # -- inputs, fingerprints, resume --------------------------------------------------------
     def _eyrie_env(self, step: StepSpec) -> dict[str, str]:
+        # Steps find the same `python3` and `eyrie` as the runner (its virtual environment first).
+        interpreter_bin = str(Path(sys.executable).parent)
         return {
+            "PATH": os.pathsep.join([interpreter_bin, os.environ.get("PATH", os.defpath)]),
             RUN_DIR_ENV: str(self.run_dir),
             STEP_DIR_ENV: str(self.run_dir / step.name),
             STEP_NAME_ENV: step.name,

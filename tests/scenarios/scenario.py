@@ -63,6 +63,14 @@ def killed_from_outside() -> None:
     time.sleep(600)
 
 
+def allocate() -> None:
+    """Hold ``sys.argv[2]`` MiB for a moment, then succeed: fits or not, depending on the limit."""
+    held = [b"\x01" * MIB for _ in range(int(sys.argv[2]))]
+    time.sleep(0.2)
+    with atomic_path("result.txt") as tmp:
+        tmp.write_text(f"held {len(held)} MiB\n")
+
+
 def memory_error() -> None:
     bytearray(1 << 50)  # 1 PiB: malloc refuses at once, no page is touched, nothing is killed
 
@@ -70,7 +78,7 @@ def memory_error() -> None:
 SCENARIOS = {
     f.__name__: f
     for f in (succeed, oom, child_oom, write_then_abort, segfault, exception, sleep,
-              killed_from_outside, memory_error)
+              killed_from_outside, memory_error, allocate)
 }  # fmt: skip
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""Real runs under real cgroups: every verdict, resume, retry, budget, and a killed runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SCENARIOS, attempts_json, eyrie
+
+pytestmark = pytest.mark.usefixtures("real_cgroups")
+SCENARIO = REPO / "tests" / "scenarios" / "scenario.py"
+
+EXPECTED = {
+    "succeeded": ("succeeded", 0, None),
+    "oom_killed": ("oom_killed", None, signal.SIGKILL),
+    "child_oom_killed": ("child_oom_killed", 0, None),
+    "completed_then_crashed": ("completed_then_crashed", None, signal.SIGABRT),
+    "crashed_segfault": ("crashed", None, signal.SIGSEGV),
+    "failed": ("failed", 1, None),
+    "timed_out": ("timed_out", None, signal.SIGTERM),
+    "crashed_kill9": ("crashed", None, signal.SIGKILL),
+    "memory_error": ("memory_error", 1, None),
+}
+
+
+def write_pipeline(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(body.replace("SCENARIO", str(SCENARIO)).replace("PYTHON", sys.executable))
+    return path
+
+
+def test_every_scenario_gets_its_verdict(tmp_path):
+    result = eyrie("run", str(SCENARIOS), "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr  # some steps fail on purpose
+    attempts = {a["step"]: a for a in attempts_json(tmp_path)}
+    assert set(attempts) == set(EXPECTED)
+    for step, (verdict, exit_code, sig) in EXPECTED.items():
+        got = attempts[step]
+        assert (got["verdict"], got["exit_code"], got["signal"]) == (verdict, exit_code, sig), got
+        assert got["limit_bytes"] == 96 * 2**20
+        assert got["peak_bytes"] and got["started_at"] < got["ended_at"]
+    assert attempts["oom_killed"]["oom_kills"] == 1
+    assert attempts["child_oom_killed"]["oom_kills"] == 1
+    assert attempts["crashed_kill9"]["oom_kills"] == 0  # SIGKILL from a process, not the OOM killer
+    assert attempts["oom_killed"]["peak_bytes"] >= 90 * 2**20
+    assert attempts["oom_killed"]["oom_at"] <= attempts["oom_killed"]["ended_at"] + 1
+
+    oom = eyrie("explain", "oom_killed", "--run-dir", str(tmp_path), check=True).stdout
+    assert "OOM-killed" in oom and "oom_kill went 0→1" in oom and "SIGKILL" in oom
+    assert "of 96.00 MiB limit" in oom
+    child = eyrie("explain", "child_oom_killed", "--run-dir", str(tmp_path), check=True).stdout
+    assert "main process was not the one killed" in child
+    crashed = eyrie("explain", "crashed_kill9", "--run-dir", str(tmp_path), check=True).stdout
+    assert "no OOM kill was counted" in crashed
+    failed = eyrie("explain", "failed", "--run-dir", str(tmp_path), check=True).stdout
+    assert "ValueError: row 17" in failed
+    status = eyrie("status", "--run-dir", str(tmp_path), check=True).stdout
+    assert "completed_then_crashed" in status and "SIGABRT" in status
+
+
+def test_rerun_skips_complete_steps_and_reruns_changed_ones(tmp_path):
+    (tmp_path / "input.txt").write_text("v1")
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: first
+    command: [PYTHON, SCENARIO, succeed]
+    memory: 96MiB
+    inputs: [input.txt]
+    outputs: [result.txt]
+  - name: second
+    command: [PYTHON, SCENARIO, succeed]
+    memory: 96MiB
+    needs: [first]
+    outputs: [result.txt]
+""")
+    run_dir = tmp_path / "run"
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert len(attempts_json(run_dir)) == 2
+    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert again.stdout.count("skipped") == 2
+    assert len(attempts_json(run_dir)) == 2
+    (tmp_path / "input.txt").write_text("v2")
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert [(a["step"], a["attempt"]) for a in attempts_json(run_dir)][2:] == [("first", 2)]
+    # `second` reran too only if first's outputs changed; they did not, so it stays up to date
+    (run_dir / "second" / "result.txt").write_text("tampered")
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert attempts_json(run_dir)[-1]["step"] == "second"
+
+
+def test_oom_retry_raises_the_limit_from_the_peak(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: grows
+    command: [PYTHON, SCENARIO, allocate, "120"]
+    memory: 64MiB
+    retries: 3
+    outputs: [result.txt]
+""")
+    result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempts = attempts_json(tmp_path / "run")
+    verdicts = [a["verdict"] for a in attempts]
+    assert verdicts[-1] == "succeeded" and set(verdicts[:-1]) == {"oom_killed"}
+    limits = [a["limit_bytes"] for a in attempts]
+    assert limits == sorted(limits) and limits[-1] >= 120 * 2**20
+    assert "after oom_killed" in attempts[1]["limit_reason"]
+
+
+def test_failed_step_is_not_retried_blindly_and_blocks_dependents(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: broken
+    command: [PYTHON, SCENARIO, exception]
+    memory: 64MiB
+    retries: 3
+  - name: after
+    command: [PYTHON, SCENARIO, succeed]
+    memory: 64MiB
+    needs: [broken]
+""")
+    result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert [a["step"] for a in attempts_json(tmp_path / "run")] == ["broken"]
+    assert "not run: broken ended failed" in result.stdout
+    assert "blocked" in eyrie("status", "--run-dir", str(tmp_path / "run"), check=True).stdout
+
+
+def test_parallel_steps_stay_within_the_budget(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+budget: 200MiB
+steps:
+""" + "".join(f"""  - name: s{i}
+    command: [PYTHON, SCENARIO, allocate, "20"]
+    memory: 96MiB
+    outputs: [result.txt]
+""" for i in range(4)))
+    eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), check=True)
+    attempts = attempts_json(tmp_path / "run")
+    events = sorted([(a["started_at"], 1) for a in attempts] + [(a["ended_at"], -1) for a in attempts])
+    concurrent = peak = 0
+    for _, delta in events:
+        concurrent += delta
+        peak = max(peak, concurrent)
+    assert peak == 2  # two 96 MiB steps fit in 200 MiB, three do not
+
+
+def test_a_step_larger_than_the_budget_is_refused_up_front(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+budget: 100MiB
+steps:
+  - name: huge
+    command: [PYTHON, SCENARIO, succeed]
+    memory: 1GiB
+""")
+    result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "huge" in result.stderr and "exceeds" in result.stderr
+
+
+def test_a_killed_runner_leaves_a_ledger_that_says_so(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: slow
+    command: [PYTHON, SCENARIO, sleep]
+    memory: 64MiB
+""")
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
+                               str(run_dir)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (run_dir / "ledger.sqlite").exists():
+            rows = attempts_json(run_dir)
+            if rows and rows[0]["pid"]:
+                break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the step never started")
+    step_pid = rows[0]["pid"]
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    os.kill(step_pid, 0)  # the orphaned step still runs in its cgroup
+    assert attempts_json(run_dir)[0]["state"] == "running"
+    assert "running (pid" in eyrie("status", "--run-dir", str(run_dir), check=True).stdout
+
+    (pipeline).write_text(pipeline.read_text().replace("sleep]", "succeed]"))
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert "stopped before this attempt ended" in result.stdout
+    first, second = attempts_json(run_dir)
+    assert first["verdict"] == "cancelled" and "1 leftover process(es) killed" in first["reason"]
+    assert second["verdict"] == "succeeded"
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(step_pid, 0)
+            time.sleep(0.1)
+
+
+def test_sigterm_cancels_running_steps(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: slow
+    command: [PYTHON, SCENARIO, sleep]
+    memory: 64MiB
+  - name: later
+    command: [PYTHON, SCENARIO, succeed]
+    memory: 64MiB
+    needs: [slow]
+""")
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
+                               str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    for line in runner.stdout:
+        if "▶ attempt 1" in line:
+            break
+    time.sleep(0.5)
+    runner.send_signal(signal.SIGTERM)
+    output = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 130, output
+    (attempt,) = attempts_json(run_dir)
+    assert attempt["verdict"] == "cancelled"

@@ -1,0 +1,37 @@
+import pytest
+
+from pipeline.memory import format_size, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("512MiB", 512 * 2**20), ("4GiB", 4 * 2**30), ("2GB", 2 * 10**9), ("1.5G", 1_500_000_000),
+     ("100", 100), (4096, 4096), ("64 mib", 64 * 2**20)],
+)  # fmt: skip
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4GB2", "lots", "-1GiB", "12 parsecs", ""])
+def test_parse_size_rejects_with_a_hint(text):
+    with pytest.raises(ValueError, match="512MiB"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "text,expected", [("30s", 30), ("2h", 7200), ("1h30m", 5400), ("500ms", 0.5), ("10m", 600), (5, 5.0)]
+)
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["soon", "30", "1x", "h", "0"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError):
+        parse_duration(text if text != "0" else 0)
+
+
+def test_format_size():
+    assert format_size(None) == "-"
+    assert format_size(512) == "512 B"
+    assert format_size(3 * 2**30 // 2) == "1.50 GiB"

@@ -1,0 +1,48 @@
+import json
+
+import pytest
+
+from pipeline.run.manifest import atomic_path, check_manifest, manifest_digest, read_manifest, write_manifest
+
+
+def test_manifest_round_trip_and_tamper_detection(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.parquet").write_bytes(b"PAR1")
+    manifest = write_manifest(tmp_path, ["prompts.jsonl", "shards"], records={"shards": 7},
+                              stats={"accepted": 2}, fingerprint="f00")  # fmt: skip
+    assert manifest.outputs["prompts.jsonl"]["."].records == 2
+    assert manifest.records() == 9
+    assert read_manifest(tmp_path).fingerprint == "f00"
+    assert check_manifest(tmp_path, ["prompts.jsonl", "shards"]) == (True, "manifest matches the files")
+    digest = manifest_digest(tmp_path)
+    (tmp_path / "shards" / "a.parquet").write_bytes(b"PAR2")
+    complete, why = check_manifest(tmp_path)
+    assert not complete and "changed" in why
+    assert manifest_digest(tmp_path) == digest  # the digest is of the manifest, which did not change
+
+
+def test_check_manifest_requires_declared_outputs(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    write_manifest(tmp_path, ["a.txt"])
+    complete, why = check_manifest(tmp_path, ["a.txt", "b.txt"])
+    assert not complete and "b.txt" in why
+
+
+def test_missing_output_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="declared output 'nope.jsonl'"):
+        write_manifest(tmp_path, ["nope.jsonl"])
+    assert read_manifest(tmp_path) is None
+
+
+def test_atomic_path_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_path(target) as tmp:
+        tmp.write_text(json.dumps({"ok": True}))
+    assert json.loads(target.read_text()) == {"ok": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]

@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from pipeline.run.spec import PipelineError, load_pipeline
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+steps:
+  - name: prep
+    command: [eyrie, prep]
+    memory: 2GiB
+    timeout: 30m
+    outputs: [prompts.jsonl]
+  - name: train
+    command: [eyrie, train]
+    memory: 512MiB
+    needs: [prep]
+    retries: 2
+"""
+
+
+def test_valid_pipeline(tmp_path):
+    spec = load_pipeline(write(tmp_path, GOOD))
+    assert [s.name for s in spec.order()] == ["prep", "train"]
+    assert spec.step("prep").memory == 2 * 2**30
+    assert spec.step("prep").timeout == 1800
+    assert spec.dependents("prep") == ["train"]
+
+
+@pytest.mark.parametrize(
+    "mutation,expected",
+    [
+        (("memory: 2GiB", "memory: 2GB2"), r"steps\[0\] \(prep\)\.memory: invalid size '2GB2'"),
+        (("timeout: 30m", "timeout: soon"), r"steps\[0\] \(prep\)\.timeout: invalid duration"),
+        (("retries: 2", "retrys: 2"), r"steps\[1\] \(train\)\.retrys: unknown key"),
+        (("needs: [prep]", "needs: [prepp]"), r"needs unknown step\(s\) prepp"),
+        (("outputs: [prompts.jsonl]", "outputs: [../escape]"), r"must be a relative path"),
+        (("name: train", "name: prep"), r"repeated: prep"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(tmp_path, mutation, expected):
+    path = write(tmp_path, GOOD.replace(*mutation))
+    with pytest.raises(PipelineError, match=expected) as info:
+        load_pipeline(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and "\n" not in message
+
+
+def test_cycle_is_an_error(tmp_path):
+    text = GOOD.replace("    outputs: [prompts.jsonl]", "    outputs: [prompts.jsonl]\n    needs: [train]")
+    with pytest.raises(PipelineError, match="cycle"):
+        load_pipeline(write(tmp_path, text))
+
+
+def test_bad_yaml_points_at_the_line(tmp_path):
+    with pytest.raises(PipelineError, match=r"pipeline.yaml:\d+:\d+: invalid YAML"):
+        load_pipeline(write(tmp_path, "steps:\n  - name: [unclosed\n"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PipelineError, match="no such pipeline file"):
+        load_pipeline(tmp_path / "nope.yaml")

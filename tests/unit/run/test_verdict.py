@@ -1,0 +1,51 @@
+"""The verdict table of DESIGN.md, decided from evidence alone."""
+
+import signal
+
+import pytest
+
+from pipeline.run.executor import Outcome
+from pipeline.run.verdict import Verdict, decide
+
+
+def outcome(exit_code=None, sig=None, kills=0, stopped_by=None, stderr=()):
+    return Outcome(exit_code=exit_code, signal=sig, oom_kills_before=5, oom_kills_after=5 + kills,
+                   oom_at=None, peak_bytes=1, anon_peak_bytes=1, started_at=0, ended_at=1,
+                   stopped_by=stopped_by, stderr_tail=list(stderr))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "evidence,complete,expected",
+    [
+        (outcome(0), True, Verdict.SUCCEEDED),
+        (outcome(0), False, Verdict.FAILED),
+        (outcome(sig=signal.SIGKILL, kills=1), False, Verdict.OOM_KILLED),
+        (outcome(0, kills=1), True, Verdict.CHILD_OOM_KILLED),
+        (outcome(1, kills=2), False, Verdict.CHILD_OOM_KILLED),
+        (outcome(sig=signal.SIGKILL), False, Verdict.CRASHED),  # exit 137 is not OOM evidence
+        (outcome(137), False, Verdict.FAILED),
+        (outcome(134), True, Verdict.COMPLETED_THEN_CRASHED),
+        (outcome(sig=signal.SIGABRT), True, Verdict.COMPLETED_THEN_CRASHED),
+        (outcome(sig=signal.SIGSEGV), False, Verdict.CRASHED),
+        (outcome(1, stderr=["Traceback", "MemoryError"]), False, Verdict.MEMORY_ERROR),
+        (outcome(sig=signal.SIGABRT, stderr=["terminate called after throwing an instance of 'std::bad_alloc'"]),
+         False, Verdict.MEMORY_ERROR),
+        (outcome(1, stderr=["ValueError: bad row"]), False, Verdict.FAILED),
+        (outcome(sig=signal.SIGKILL, kills=1, stopped_by="timeout"), False, Verdict.TIMED_OUT),
+        (outcome(sig=signal.SIGTERM, stopped_by="cancel"), False, Verdict.CANCELLED),
+    ],
+)  # fmt: skip
+def test_verdicts(evidence, complete, expected):
+    decision = decide(evidence, complete, "manifest matches the files" if complete else "no manifest")
+    assert decision.verdict == expected
+    assert decision.reason and "\n" not in decision.reason
+
+
+def test_oom_reason_names_the_counter():
+    decision = decide(outcome(sig=signal.SIGKILL, kills=1), False, "no manifest")
+    assert "oom_kill went 5→6" in decision.reason and "SIGKILL" in decision.reason
+
+
+def test_failed_reason_keeps_the_last_stderr_line():
+    decision = decide(outcome(2, stderr=["x", "KeyError: 'messages'", ""]), False, "no manifest")
+    assert decision.reason.endswith("KeyError: 'messages'")
