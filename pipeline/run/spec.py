@@ -24,6 +24,19 @@ NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
+
+
+def _argv(value: Any) -> Any:
+    """YAML reads `[sleep, 5]` or `[true]` as numbers and booleans; in an argv they are words."""
+    if not isinstance(value, list):
+        return value
+    return [
+        str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
+        for v in value
+    ]
+
+
+Argv = Annotated[list[str], BeforeValidator(_argv)]
 DEFAULT_RETRY_ON = [Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR]
 
 
@@ -35,7 +48,7 @@ class StepSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME_RE)
-    command: list[str] = Field(min_length=1)
+    command: Argv = Field(min_length=1)
     memory: Size
     needs: list[str] = []
     inputs: list[str] = []

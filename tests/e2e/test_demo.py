@@ -1,0 +1,23 @@
+"""The embedded default end to end: `eyrie run pipeline/embedded/demo.yaml`, every step succeeds."""
+
+import pytest
+import yaml
+
+from conftest import REPO, attempts_json, eyrie
+
+DEMO = REPO / "pipeline" / "embedded" / "demo.yaml"
+
+
+@pytest.mark.usefixtures("real_cgroups")
+def test_demo_pipeline_succeeds_and_resumes(tmp_path):
+    run_dir = tmp_path / "demo"
+    result = eyrie("run", str(DEMO), "--run-dir", str(run_dir), timeout=1500)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    steps = [s["name"] for s in yaml.safe_load(DEMO.read_text())["steps"]]
+    attempts = attempts_json(run_dir)
+    assert {a["step"] for a in attempts} == set(steps)
+    assert all(a["verdict"] == "succeeded" for a in attempts), [(a["step"], a["reason"]) for a in attempts]
+    status = eyrie("status", "--run-dir", str(run_dir), check=True).stdout
+    assert all(step in status for step in steps)
+    again = eyrie("run", str(DEMO), "--run-dir", str(run_dir), check=True)
+    assert again.stdout.count("skipped") == len(steps)
