@@ -7,7 +7,7 @@ light commands stay fast and never pull in torch or transformers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -55,7 +55,7 @@ def status(
 def explain(
     step: Annotated[str, typer.Argument(help="Step name.")],
     run_dir: RunDir = DEFAULT_RUN_DIR,
-    attempt: Annotated[Optional[int], typer.Option(help="Attempt number (default: last).")] = None,
+    attempt: Annotated[int | None, typer.Option(help="Attempt number (default: last).")] = None,
 ) -> None:
     """Say in plain words why a step's attempt ended as it did, with the evidence."""
     from pipeline.report.status import explain_command
@@ -71,6 +71,116 @@ def memory(
     from pipeline.report.memory import memory_command
 
     raise typer.Exit(memory_command(json_output))
+
+
+@app.command()
+def prep(
+    catalog: Annotated[
+        Path | None, typer.Option(help="Catalog YAML of sources (default: the shipped ten-source mix).")
+    ] = None,
+    offline: Annotated[
+        bool, typer.Option(help="Read each source's local 'sample:' file instead of the hub.")
+    ] = False,
+    out_dir: Annotated[
+        Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Shuffle seed (default: the catalog's).")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="At most this many sources at once (default: what memory allows).")
+    ] = None,
+    worker_memory: Annotated[
+        str, typer.Option(help="Memory one source's worker may use; divides the budget into workers.")
+    ] = "1GiB",
+) -> None:
+    """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""
+    from pipeline.steps.prep.prep import prep as run_prep
+
+    raise typer.Exit(
+        run_prep(catalog, out_dir, offline=offline, seed=seed, workers=workers, worker_memory=worker_memory)
+    )
+
+
+@app.command()
+def tokenize(
+    tokenizer: Annotated[Path, typer.Option(help="The target's tokenizer folder.")],
+    conversations: Annotated[
+        list[Path] | None, typer.Option(help="A conversations .jsonl file (repeatable).")
+    ] = None,
+    tokenized: Annotated[
+        list[Path] | None, typer.Option(help="A pre-tokenized .parquet file (repeatable).")
+    ] = None,
+    chat_template: Annotated[
+        str, typer.Option(help="'tokenizer' (the folder's own), 'kimi-k2', or a .jinja file.")
+    ] = "tokenizer",
+    max_length: Annotated[int, typer.Option(help="Truncate rows to this many tokens.")] = 4096,
+    shard_rows: Annotated[int, typer.Option(help="Rows per parquet shard.")] = 8192,
+    out_dir: Annotated[
+        Path | None, typer.Option(help="Where shards/ goes (default: the step dir, else the cwd).")
+    ] = None,
+) -> None:
+    """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
+    from pipeline.steps.prep.tokenize import tokenize as run_tokenize
+
+    raise typer.Exit(
+        run_tokenize(
+            tokenizer,
+            conversations or [],
+            tokenized or [],
+            out_dir,
+            chat_template=chat_template,
+            max_length=max_length,
+            shard_rows=shard_rows,
+        )
+    )
+
+
+@app.command()
+def generate(
+    prompts: Annotated[Path, typer.Argument(help="prompts.jsonl from the prep step.")],
+    url: Annotated[
+        list[str] | None, typer.Option(help="OpenAI-compatible server base URL (repeatable).")
+    ] = None,
+    serve: Annotated[
+        Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
+    mode: Annotated[str, typer.Option(help="'last_turn' or 'all_turns'.")] = "last_turn",
+    concurrency: Annotated[int, typer.Option(help="Requests in flight per server.")] = 32,
+    temperature: Annotated[float, typer.Option()] = 0.7,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    max_tokens: Annotated[int, typer.Option()] = 2048,
+    seed: Annotated[int | None, typer.Option(help="Base seed; each row's seed derives from its id.")] = None,
+    chat_template_kwargs: Annotated[
+        str | None, typer.Option(help='JSON, e.g. \'{"enable_thinking": true}\'.')
+    ] = None,
+    drop_truncated: Annotated[
+        bool, typer.Option(help="Put rows cut by max_tokens in errors.jsonl instead.")
+    ] = False,
+    retry_errors: Annotated[bool, typer.Option(help="Retry ids in errors.jsonl.")] = False,
+    max_retries: Annotated[int, typer.Option(help="Retries of a transient error.")] = 6,
+    retry_base: Annotated[float, typer.Option(help="First backoff, seconds (doubles).")] = 0.5,
+    request_timeout: Annotated[str, typer.Option()] = "10m",
+    health_timeout: Annotated[str, typer.Option(help="Wait this long for the server.")] = "10m",
+    api_key_env: Annotated[str | None, typer.Option(help="Env var holding the API key.")] = "OPENAI_API_KEY",
+    api_key_file: Annotated[Path | None, typer.Option(help="File holding the API key.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
+    ] = None,
+) -> None:
+    """Prompts -> conversations.jsonl through the target model: resumable, retried, never the bottleneck."""
+    from pipeline.steps.generate.cli import generate_command
+
+    raise typer.Exit(
+        generate_command(
+            prompts, urls=url or [], serve=serve, model=model, mode=mode, concurrency=concurrency,
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+            chat_template_kwargs=chat_template_kwargs, drop_truncated=drop_truncated,
+            retry_errors=retry_errors, max_retries=max_retries, retry_base=retry_base,
+            request_timeout=request_timeout, health_timeout=health_timeout, api_key_env=api_key_env,
+            api_key_file=api_key_file, limit=limit, out_dir=out_dir,
+        )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

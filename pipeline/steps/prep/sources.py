@@ -1,0 +1,290 @@
+"""Reading one source: open it through HF ``datasets`` (streaming), adapt each row, count everything.
+
+One source runs in one worker process and writes one part file. A part line is
+``<dedup key>\\t<record JSON>``, so the merge can dedup and shuffle across
+sources without parsing records again. Every row is counted: read, accepted,
+duplicate, or rejected under a reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import re
+import resource
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.run.manifest import atomic_path
+from pipeline.steps.prep.adapters import (
+    ADAPTERS,
+    Conversation,
+    Reject,
+    Tokenized,
+    expected_keys,
+    found_keys,
+)
+from pipeline.steps.prep.catalog import LOCAL_SUFFIXES, Source
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_SPACE_RE = re.compile(r"\s+")
+TOKENIZED_BATCH = 1024
+
+
+class SourceError(RuntimeError):
+    """One source could not be prepared; the message is one line naming the source."""
+
+
+@dataclass
+class SourceResult:
+    name: str
+    adapter: str
+    native: bool
+    kind: str
+    """``prompts``, ``native`` (conversations) or ``tokenized``."""
+    part: str | None = None
+    read: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+    worker_peak_rss: int = 0
+
+    def as_stats(self) -> dict[str, Any]:
+        return {
+            "adapter": self.adapter,
+            "native": self.native,
+            "kind": self.kind,
+            "read": self.read,
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "rejected": dict(sorted(self.rejected.items())),
+            "error": self.error,
+            "seconds": round(self.seconds, 3),
+            "worker_peak_rss": self.worker_peak_rss,
+        }
+
+
+def kind_of(source: Source) -> str:
+    if source.format == "tokenized":
+        return "tokenized"
+    return "native" if source.native else "prompts"
+
+
+def open_rows(location: str, source: Source):
+    """An ``IterableDataset`` over the source: the same streaming path for hub ids and local files."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(location)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+        kinds = {_BUILDERS[Path(f).suffix] for f in files}
+        if len(kinds) != 1:
+            raise SourceError(
+                f"source {source.name!r}: folder {path} must hold .jsonl/.json or .parquet files "
+                f"of one kind (found {len(files)} files of kinds {sorted(kinds) or 'none'})"
+            )
+        return datasets.load_dataset(kinds.pop(), data_files=files, split="train", streaming=True)
+    if path.is_file():
+        builder = _BUILDERS.get(path.suffix)
+        if builder is None:
+            raise SourceError(f"source {source.name!r}: {path} is not .jsonl, .json or .parquet; convert it")
+        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    if location.startswith("/"):
+        raise SourceError(f"source {source.name!r}: {location} does not exist; fix data: in the catalog")
+    return datasets.load_dataset(location, name=source.config, split=source.split, streaming=True)
+
+
+def _normalized(value: Any) -> str:
+    return _SPACE_RE.sub(" ", json.dumps(value, ensure_ascii=False, sort_keys=True).lower())
+
+
+def _is_empty(message: dict) -> bool:
+    return not (
+        message.get("content", "").strip() or message.get("reasoning_content") or message.get("tool_calls")
+    )
+
+
+def _chars(messages: list[dict]) -> int:
+    total = 0
+    for m in messages:
+        total += len(m.get("content", "")) + len(m.get("reasoning_content", ""))
+        total += sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+    return total
+
+
+def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict]:
+    """``(dedup key, record)``: a prompt (ends before the answer) or, for native sources, a conversation."""
+    messages = [m for m in conv.messages if not _is_empty(m)]
+    if source.native:
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if not messages:
+            raise Reject("no_assistant_turn")
+    else:
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        if not any(m["role"] == "user" for m in messages) or messages[-1]["role"] == "system":
+            raise Reject("empty_prompt")
+    chars = _chars(messages)
+    if chars < source.min_chars:
+        raise Reject("too_short")
+    if source.max_chars is not None and chars > source.max_chars:
+        raise Reject("too_long")
+    body: dict[str, Any] = {"conversations" if source.native else "messages": messages}
+    if conv.tools:
+        body["tools"] = conv.tools
+    canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
+    record_id = hashlib.sha256(f"{source.name}\0{canonical}".encode()).hexdigest()[:32]
+    key = hashlib.blake2b(_normalized(body).encode(), digest_size=16).hexdigest()
+    return key, {"id": record_id, "source": source.name, **body}
+
+
+def tokenized_key(item: Tokenized) -> str:
+    payload = json.dumps([item.input_ids, item.loss_mask]).encode()
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def prepare_source(source: Source, location: str, part: Path, probe_rows: int) -> SourceResult:
+    """Read, adapt, filter and dedup one source into ``part``; never raises (errors go in the result)."""
+    import time
+
+    started = time.monotonic()
+    result = SourceResult(source.name, source.format, source.native, kind_of(source))
+    rejected: Counter[str] = Counter()
+    try:
+        _run(source, location, part, probe_rows, result, rejected)
+        result.part = str(part)
+    except SourceError as exc:
+        result.error = str(exc)
+    except Exception as exc:  # a reader or adapter failure: name the source, keep one line
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        result.error = f"source {source.name!r} ({location}): {type(exc).__name__}: {first_line}"
+    result.rejected = dict(rejected)
+    result.seconds = time.monotonic() - started
+    result.worker_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def _run(
+    source: Source,
+    location: str,
+    part: Path,
+    probe_rows: int,
+    result: SourceResult,
+    rejected: Counter[str],
+) -> None:
+    adapter = ADAPTERS[source.format]
+    rows = open_rows(location, source)
+    iterator = iter(rows)
+    seen: set[str] = set()
+    first_row: dict | None = None
+    try:
+        with atomic_path(part) as tmp:
+            writer = _TokenizedWriter(tmp, source.name) if result.kind == "tokenized" else None
+            with open(tmp, "w", encoding="utf-8") if writer is None else writer as out:
+                for row in iterator:
+                    result.read += 1
+                    first_row = first_row or row
+                    try:
+                        adapted = adapter(row, source)
+                        if isinstance(adapted, Tokenized):
+                            key = tokenized_key(adapted)
+                        else:
+                            key, record = conversation_record(adapted, source)
+                    except Reject as reject:
+                        rejected[reject.reason] += 1
+                    else:
+                        if key in seen:
+                            result.duplicates += 1
+                        else:
+                            seen.add(key)
+                            result.accepted += 1
+                            if writer is not None:
+                                writer.add(key, adapted)
+                            else:
+                                out.write(f"{key}\t{json.dumps(record, ensure_ascii=False)}\n")
+                            if source.quota is not None and result.accepted >= source.quota:
+                                break
+                    if result.read == probe_rows and result.accepted == 0:
+                        break
+                if result.accepted == 0 and result.read:
+                    raise SourceError(_mismatch(source, result.read, rejected, first_row or {}))
+    finally:
+        # Close the streaming iterator and collect it now, while pyarrow is fully alive: a
+        # half-consumed reader left to interpreter shutdown is how the exit-134 crash
+        # (huggingface/datasets#7566) happens after all the work is done.
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+        del iterator, rows
+        gc.collect()
+
+
+def _mismatch(source: Source, read: int, rejected: Counter[str], row: dict) -> str:
+    reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common())
+    return (
+        f"source {source.name!r}: the first {read} rows gave no record with adapter "
+        f"{source.format!r} (rejected: {reasons}); rows have keys [{found_keys(row, source)}], "
+        f"the adapter expects {expected_keys(source)}; fix format:/fields:/roles: in the catalog"
+    )
+
+
+class _TokenizedWriter:
+    """Pre-tokenized rows into a parquet part (``input_ids``, ``loss_mask``, ``source``, ``key``)."""
+
+    def __init__(self, path: Path, source_name: str):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._pa = pa
+        self.schema = tokenized_schema(with_key=True)
+        self.writer = pq.ParquetWriter(str(path), self.schema)
+        self.source = source_name
+        self.rows: list[tuple[str, Tokenized]] = []
+
+    def add(self, key: str, item: Tokenized) -> None:
+        self.rows.append((key, item))
+        if len(self.rows) >= TOKENIZED_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        pa = self._pa
+        batch = pa.table(
+            {
+                "input_ids": pa.array([r.input_ids for _, r in self.rows], pa.list_(pa.int32())),
+                "loss_mask": pa.array([r.loss_mask for _, r in self.rows], pa.list_(pa.int8())),
+                "source": pa.array([self.source] * len(self.rows), pa.string()),
+                "key": pa.array([k for k, _ in self.rows], pa.string()),
+            },
+            schema=self.schema,
+        )
+        self.writer.write_table(batch)
+        self.rows = []
+
+    def __enter__(self) -> _TokenizedWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()
+        self.writer.close()
+
+
+def tokenized_schema(with_key: bool = False):
+    import pyarrow as pa
+
+    fields = [
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("loss_mask", pa.list_(pa.int8())),
+        pa.field("source", pa.string()),
+    ]
+    if with_key:
+        fields.append(pa.field("key", pa.string()))
+    return pa.schema(fields)
