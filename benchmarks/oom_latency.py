@@ -18,11 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.run_overhead import Quiet
 from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.spec import PipelineSpec
-from benchmarks.run_overhead import Quiet
 
 VICTIM = r"""
 import os, struct, subprocess, sys, time

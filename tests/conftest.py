@@ -42,7 +42,9 @@ def eyrie(*args: str, check: bool = False, timeout: float = 300) -> subprocess.C
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )  # fmt: skip
     if check and result.returncode != 0:
-        raise AssertionError(f"eyrie {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"eyrie {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 

@@ -40,7 +40,7 @@ class Budget:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for reading, raw in zip(self.cgroups, out["cgroups"]):
+        for reading, raw in zip(self.cgroups, out["cgroups"], strict=True):
             raw["headroom"] = reading.headroom
         return out
 
@@ -70,9 +70,7 @@ def read_cgroup_chain(cgroup: Cgroup) -> list[CgroupReading]:
     ]
 
 
-def memory_budget(
-    proc: Path = Path("/proc"), root: Path = Path("/"), cgroup: Cgroup | None = None
-) -> Budget:
+def memory_budget(proc: Path = Path("/proc"), root: Path = Path("/"), cgroup: Cgroup | None = None) -> Budget:
     """The budget of the calling process (or of ``cgroup``), cgroup-aware."""
     meminfo = read_meminfo(proc)
     mem_available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))

@@ -106,8 +106,10 @@ def status_command(run_dir: Path, json_output: bool) -> int:
         states = ledger.step_states(latest["run_id"])
         for step in json.loads(latest["steps"]):
             state = states.get(step)
-            if state and state["state"] in ("skipped", "blocked", "pending", "cancelled") and (
-                state["state"] != "cancelled" or step not in shown
+            if (
+                state
+                and state["state"] in ("skipped", "blocked", "pending", "cancelled")
+                and (state["state"] != "cancelled" or step not in shown)
             ):
                 table.add_row(step, "-", f"[dim]{state['state']}[/]", "", "", "", "", "",
                               f"[dim]{escape(state['detail'])}[/]")  # fmt: skip

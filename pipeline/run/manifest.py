@@ -145,9 +145,7 @@ def write_manifest(
             count = (records or {}).get(name) if rel == "." else None
             if count is None and file.suffix == ".jsonl":
                 count = _count_lines(file)
-            entries[name][rel] = FileEntry(
-                bytes=file.stat().st_size, sha256=sha256_file(file), records=count
-            )
+            entries[name][rel] = FileEntry(bytes=file.stat().st_size, sha256=sha256_file(file), records=count)
         if output.is_dir() and name in (records or {}):
             entries[name].setdefault(".", FileEntry(bytes=0, sha256="", records=records[name]))
     manifest = Manifest(
@@ -169,9 +167,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> Manifest | None:
         return None
 
 
-def check_manifest(
-    step_dir: str | os.PathLike[str], declared: list[str] | None = None
-) -> tuple[bool, str]:
+def check_manifest(step_dir: str | os.PathLike[str], declared: list[str] | None = None) -> tuple[bool, str]:
     """Whether the outputs are complete, and if not, why (one line)."""
     root = Path(step_dir)
     manifest = read_manifest(root)

@@ -163,7 +163,9 @@ class Orchestrator:
                 in_use = sum(r.launch.limit_bytes for r in self._running.values())
                 for name in order:
                     step = self.spec.step(name)
-                    if states[name] != "pending" or not all(states[n] in ("done", "skipped") for n in step.needs):
+                    if states[name] != "pending" or not all(
+                        states[n] in ("done", "skipped") for n in step.needs
+                    ):
                         continue
                     fingerprint = self._fingerprint(step, argvs[name])
                     up_to_date, why = self._up_to_date(step, fingerprint)
@@ -326,7 +328,10 @@ class Orchestrator:
         wanted = math.ceil(basis * step.memory_growth / _MIB) * _MIB
         new = min(wanted, pool)
         if new <= limit:
-            return None, f"cannot raise the limit above {format_size(limit)}: the budget is {format_size(pool)}"
+            return (
+                None,
+                f"cannot raise the limit above {format_size(limit)}: the budget is {format_size(pool)}",
+            )
         capped = " (capped by the budget)" if new < wanted else ""
         return new, (
             f"limit raised from {format_size(limit)} to {format_size(new)}{capped} after {verdict}: "
@@ -366,7 +371,9 @@ class Orchestrator:
         for rel in step.inputs:
             path = self.pipeline_path.parent / rel
             if not path.is_file():
-                raise PipelineError(f"{self.pipeline_path}: steps ({step.name}).inputs: {path} does not exist")
+                raise PipelineError(
+                    f"{self.pipeline_path}: steps ({step.name}).inputs: {path} does not exist"
+                )
             inputs[rel] = sha256_file(path)
         payload = {
             "argv": argv,
@@ -437,4 +444,3 @@ class _Unlock:
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fh, fcntl.LOCK_UN)
         self.fh.close()
-

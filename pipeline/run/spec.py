@@ -25,14 +25,12 @@ Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
-
 def _argv(value: Any) -> Any:
     """YAML reads `[sleep, 5]` or `[true]` as numbers and booleans; in an argv they are words."""
     if not isinstance(value, list):
         return value
     return [
-        str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
-        for v in value
+        str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v for v in value
     ]
 
 

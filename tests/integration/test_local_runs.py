@@ -66,7 +66,9 @@ def test_every_scenario_gets_its_verdict(tmp_path):
 
 def test_rerun_skips_complete_steps_and_reruns_changed_ones(tmp_path):
     (tmp_path / "input.txt").write_text("v1")
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: first
     command: [PYTHON, SCENARIO, succeed]
@@ -78,7 +80,8 @@ steps:
     memory: 96MiB
     needs: [first]
     outputs: [result.txt]
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
     assert len(attempts_json(run_dir)) == 2
@@ -95,14 +98,17 @@ steps:
 
 
 def test_oom_retry_raises_the_limit_from_the_peak(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: grows
     command: [PYTHON, SCENARIO, allocate, "120"]
     memory: 64MiB
     retries: 3
     outputs: [result.txt]
-""")
+""",
+    )
     result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     attempts = attempts_json(tmp_path / "run")
@@ -114,7 +120,9 @@ steps:
 
 
 def test_failed_step_is_not_retried_blindly_and_blocks_dependents(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: broken
     command: [PYTHON, SCENARIO, exception]
@@ -124,7 +132,8 @@ steps:
     command: [PYTHON, SCENARIO, succeed]
     memory: 64MiB
     needs: [broken]
-""")
+""",
+    )
     result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 1
     assert [a["step"] for a in attempts_json(tmp_path / "run")] == ["broken"]
@@ -133,14 +142,21 @@ steps:
 
 
 def test_parallel_steps_stay_within_the_budget(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 budget: 200MiB
 steps:
-""" + "".join(f"""  - name: s{i}
+"""
+        + "".join(
+            f"""  - name: s{i}
     command: [PYTHON, SCENARIO, allocate, "20"]
     memory: 96MiB
     outputs: [result.txt]
-""" for i in range(4)))
+"""
+            for i in range(4)
+        ),
+    )
     eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), check=True)
     attempts = attempts_json(tmp_path / "run")
     events = sorted([(a["started_at"], 1) for a in attempts] + [(a["ended_at"], -1) for a in attempts])
@@ -152,28 +168,36 @@ steps:
 
 
 def test_a_step_larger_than_the_budget_is_refused_up_front(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 budget: 100MiB
 steps:
   - name: huge
     command: [PYTHON, SCENARIO, succeed]
     memory: 1GiB
-""")
+""",
+    )
     result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert "huge" in result.stderr and "exceeds" in result.stderr
 
 
 def test_a_killed_runner_leaves_a_ledger_that_says_so(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: slow
     command: [PYTHON, SCENARIO, sleep]
     memory: 64MiB
-""")
+""",
+    )
     run_dir = tmp_path / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
-                               str(run_dir)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (run_dir / "ledger.sqlite").exists():
@@ -203,7 +227,9 @@ steps:
 
 
 def test_sigterm_cancels_running_steps(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: slow
     command: [PYTHON, SCENARIO, sleep]
@@ -212,10 +238,13 @@ steps:
     command: [PYTHON, SCENARIO, succeed]
     memory: 64MiB
     needs: [slow]
-""")
+""",
+    )
     run_dir = tmp_path / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
-                               str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     for line in runner.stdout:
         if "▶ attempt 1" in line:
             break

@@ -28,7 +28,7 @@ def outcome(exit_code=None, sig=None, kills=0, stopped_by=None, stderr=()):
         (outcome(sig=signal.SIGABRT), True, Verdict.COMPLETED_THEN_CRASHED),
         (outcome(sig=signal.SIGSEGV), False, Verdict.CRASHED),
         (outcome(1, stderr=["Traceback", "MemoryError"]), False, Verdict.MEMORY_ERROR),
-        (outcome(sig=signal.SIGABRT, stderr=["terminate called after throwing an instance of 'std::bad_alloc'"]),
+        (outcome(sig=signal.SIGABRT, stderr=["terminate called after throwing 'std::bad_alloc'"]),
          False, Verdict.MEMORY_ERROR),
         (outcome(1, stderr=["ValueError: bad row"]), False, Verdict.FAILED),
         (outcome(sig=signal.SIGKILL, kills=1, stopped_by="timeout"), False, Verdict.TIMED_OUT),
