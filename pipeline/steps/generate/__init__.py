@@ -1,0 +1,1 @@
+"""The generation step: prompts -> conversations through the target model (see driver.py)."""

@@ -1,0 +1,114 @@
+"""Serve a local model folder with ``transformers serve`` for the duration of a step.
+
+The embedded default has no SGLang server: the generation step starts the Hugging
+Face server on a free loopback port (offline, CPU), waits for ``/health`` and stops
+it when the step ends. The server is a child of the step, so it runs inside the
+step's cgroup and its memory counts against the step's limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _transformers_cli() -> list[str]:
+    # The console script next to this interpreter, so the venv's transformers serves.
+    script = Path(sys.executable).with_name("transformers")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("transformers")
+    if found:
+        return [found]
+    raise ServeError("the `transformers` command is not installed: pip install 'transformers[serving]'")
+
+
+def _die_with_parent() -> None:
+    # A step killed with SIGKILL cannot stop its server: the kernel does (PR_SET_PDEATHSIG).
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def transformers_serve(model_dir: Path, log_path: Path, *, startup_timeout_s: float = 300) -> Iterator[str]:
+    """Start ``transformers serve MODEL_DIR`` on 127.0.0.1 and yield its base URL once healthy."""
+    model_dir = Path(model_dir).resolve()
+    if not (model_dir / "config.json").is_file():
+        raise ServeError(f"{model_dir} is not a model folder (no config.json): build the target first")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [*_transformers_cli(), "serve", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+    try:
+        _wait_healthy(process, url, log_path, startup_timeout_s)
+        yield url
+    finally:
+        _stop(process)
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServeError(
+                f"transformers serve exited with {process.returncode} before it was healthy "
+                f"(log {log_path}: {_tail(log_path)})"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise ServeError(f"transformers serve at {url} was not healthy after {timeout_s:.0f}s (log {log_path})")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

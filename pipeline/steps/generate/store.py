@@ -1,0 +1,88 @@
+"""Append-only JSONL that survives ``kill -9``: the generation step's resume state.
+
+Rows are appended in batches, each batch flushed and fsynced. A kill can only tear
+the tail, so on open everything after the last newline is cut off and the ids of
+the complete lines are the rows already done. Completion order does not matter:
+resume is by id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.run.manifest import fsync_dir
+
+_CHUNK = 1 << 20
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def repair_tail(path: Path) -> int:
+    """Cut a partly written last line off ``path``; returns the bytes removed."""
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    with open(path, "rb+") as fh:
+        end = size
+        while end > 0:
+            start = max(0, end - _CHUNK)
+            fh.seek(start)
+            chunk = fh.read(end - start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        else:
+            keep = 0
+        if keep != size:
+            fh.truncate(keep)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return size - keep
+
+
+def read_ids(path: Path) -> list[str]:
+    """The ids of every line of ``path`` (after ``repair_tail``), in file order."""
+    ids: list[str] = []
+    if not path.exists():
+        return ids
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                ids.append(json.loads(line)["id"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StoreError(
+                    f"{path}:{number} is not a complete row ({exc}); only the last line can be "
+                    "torn by a kill, so this file was edited or damaged: move it away to start over"
+                ) from None
+    return ids
+
+
+class JsonlAppender:
+    """Appends rows to a JSONL file; ``write_batch`` returns once they are on disk."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        existed = path.exists()
+        self._fh = open(path, "ab")
+        if not existed:
+            fsync_dir(path.parent)
+        self.rows = 0
+
+    def write_batch(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+        self._fh.write(data)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.rows += len(rows)
+
+    def close(self) -> None:
+        self._fh.close()
