@@ -13,6 +13,7 @@ help:
 	@echo "make demo       run the embedded demo pipeline on this machine, then show its status"
 	@echo "make test       run the test suite (default markers: not slow, not host)"
 	@echo "make test-slow  run the slow suites too"
+	@echo "make images     the Docker images (base=local: from a Debian 12 base built here)"
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,41 @@ test-slow: venv
 
 lint: venv
 	$(VENV)/bin/ruff check pipeline tests benchmarks
+
+# -- images (images/, compose/) -------------------------------------------------------
+# `make images` builds the production images (CUDA 13.1 base, SGLang base);
+# `make images base=local` builds them FROM a debootstrapped Debian 12 base made
+# here, for machines without a registry (CI). The pipeline image installs from
+# a wheelhouse prepared on the host (see images/pipeline/Dockerfile).
+IMAGES_DIR := build/images
+FLASH_ATTN_WHEELS ?= build/flash-attn
+ifeq ($(base),local)
+IMAGE_TAG ?= local
+LOCAL_BASE := eyrie-base:bookworm
+IMAGE_BASE_ARG := --build-arg BASE=$(LOCAL_BASE)
+WHEEL_PYTHON := 3.11
+TORCH_SPEC ?= torch==2.13.0+cpu
+else
+IMAGE_TAG ?= latest
+IMAGE_BASE_ARG :=
+WHEEL_PYTHON := 3.12
+TORCH_SPEC ?= torch==2.13.0
+# CUDA 13.0 builds of torch run on the CUDA 13.1 runtime base.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
+endif
+
+.PHONY: images image-base
+image-base:
+ifeq ($(base),local)
+	images/base/build.sh
+endif
+
+images: venv image-base
+	$(if $(TORCH_INDEX),PIP_EXTRA_INDEX_URL="$(TORCH_INDEX) $$PIP_EXTRA_INDEX_URL") PIP=$(VENV)/bin/pip \
+		images/pipeline/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) "$(TORCH_SPEC)" $(FLASH_ATTN_WHEELS)
+	docker build $(IMAGE_BASE_ARG) -t eyrie-pipeline:$(IMAGE_TAG) \
+		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
+	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) images/sglang
 
 clean:
 	rm -rf runs .eyrie .pytest_cache
