@@ -90,7 +90,7 @@ def prep(
     ] = None,
     worker_memory: Annotated[
         str, typer.Option(help="Memory one source's worker may use; divides the budget into workers.")
-    ] = "1GiB",
+    ] = "512MiB",
 ) -> None:
     """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""
     from pipeline.steps.prep.prep import prep as run_prep

@@ -32,7 +32,7 @@ NATIVE = "native.jsonl"
 NATIVE_TOKENIZED = "native_tokenized.parquet"
 OUTPUTS = [PROMPTS, NATIVE, NATIVE_TOKENIZED]
 PARTS_DIR = ".parts"
-DEFAULT_WORKER_MEMORY = "1GiB"
+DEFAULT_WORKER_MEMORY = "512MiB"
 SCHEMA_PROBE_ROWS = 100
 
 console = Console(stderr=True)
