@@ -64,6 +64,19 @@ def explain(
 
 
 @app.command()
+def report(
+    run_dir: RunDir = DEFAULT_RUN_DIR,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write the HTML (default RUN_DIR/report.html).")
+    ] = None,
+) -> None:
+    """Write an HTML report: every attempt, its memory timeline, limit and OOM kills."""
+    from pipeline.report.html import report_command
+
+    raise typer.Exit(report_command(run_dir, out))
+
+
+@app.command()
 def memory(
     json_output: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
