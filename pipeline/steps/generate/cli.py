@@ -57,7 +57,7 @@ def generate_command(
     limit: int | None,
     out_dir: Path | None,
 ) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         if mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")

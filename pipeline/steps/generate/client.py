@@ -42,6 +42,13 @@ class HealthTimeout(Exception):
     pass
 
 
+class AuthError(Exception):
+    """The server refused the credentials: no row can succeed, so the run stops."""
+
+
+_AUTH_HINT = "give the API key with --api-key-env or --api-key-file"
+
+
 @dataclass
 class Server:
     url: str
@@ -156,9 +163,8 @@ class ChatClient:
                             return
                         last = f"GET {path} answered HTTP {response.status}"
                         if response.status in (401, 403):
-                            raise HealthTimeout(
-                                f"{server.url}{path} answered HTTP {response.status}: "
-                                "give the API key with --api-key-env or --api-key-file"
+                            raise AuthError(
+                                f"{server.url}{path} answered HTTP {response.status}: {_AUTH_HINT}"
                             )
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     last = f"GET {path}: {type(exc).__name__} {exc}".strip()
@@ -172,6 +178,8 @@ class ChatClient:
     async def first_model(self) -> str:
         for server in self.servers:
             async with self.session.get(server.url + "/v1/models") as response:
+                if response.status in (401, 403):
+                    raise AuthError(f"{server.url}/v1/models answered HTTP {response.status}: {_AUTH_HINT}")
                 if response.status == 200:
                     data = await response.json(content_type=None)
                     models = data.get("data") or []
@@ -217,6 +225,8 @@ class ChatClient:
                             "bad_response", f"HTTP 200 without a chat completion: {body[:200]!r}"
                         ) from None
                     return data
+                if status in (401, 403):
+                    raise AuthError(f"{server.url} answered HTTP {status}: {_AUTH_HINT}")
                 if status not in TRANSIENT_STATUS:
                     raise PermanentError(f"http_{status}", _error_message(body))
                 kind = f"http_{status}"

@@ -39,6 +39,7 @@ from rich.progress import (
 
 from pipeline.run.manifest import atomic_path, fsync_dir, write_manifest
 from pipeline.steps.generate.client import (
+    AuthError,
     ChatClient,
     HealthTimeout,
     PermanentError,
@@ -441,6 +442,8 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
             model = config.model or await client.first_model()
         except HealthTimeout as exc:
             raise GenerateError(f"generate: {exc}", EXIT_SERVERS_DEAD) from None
+        except AuthError as exc:
+            raise GenerateError(f"generate: {exc}") from None
         except PermanentError as exc:
             raise GenerateError(f"generate: {exc.reason}") from None
         done, cut = prepare_state(config, model, console)
@@ -468,6 +471,8 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
                 f"{len(input_ids)} rows are done and kept in {config.out_dir}; rerun to resume",
                 EXIT_SERVERS_DEAD,
             ) from None
+        except AuthError as exc:
+            raise GenerateError(f"generate: stopped, {exc}; rows done so far are kept") from None
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -493,7 +498,7 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
 
 def generate(config: GenerateConfig, console: Console | None = None) -> int:
     """Run the step; returns its exit code. Writes the manifest only when every row is done."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     try:
         stats = asyncio.run(_generate(config, console))
     except GenerateError as exc:

@@ -1,0 +1,227 @@
+"""The generation step over real HTTP against a fake server that misbehaves on demand."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+
+from generate_helpers import (
+    FakeServer,
+    read_jsonl,
+    run_generate,
+    simple_prompts,
+    write_prompts,
+)
+
+from pipeline.run.manifest import check_manifest, read_manifest
+
+
+def ids_of(path):
+    return [row["id"] for row in read_jsonl(path)]
+
+
+def test_transient_faults_are_retried_and_every_row_lands_once(tmp_path, fake_server):
+    server = fake_server(
+        "--error-rate", "500:0.1", "--error-rate", "503:0.05", "--error-rate", "429:0.05",
+        "--drop-rate", "0.05", "--slow-rate", "0.02", "--slow-s", "0.3",
+    )  # fmt: skip
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 600)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url, extra=("--concurrency", "16"))
+    assert result.returncode == 0, result.stderr
+    ids = ids_of(out / "conversations.jsonl")
+    assert sorted(ids) == [f"p{i:05d}" for i in range(600)]
+    assert (out / "errors.jsonl").read_text() == ""
+    ok, why = check_manifest(out, ["conversations.jsonl", "errors.jsonl"])
+    assert ok, why
+    attempt = read_manifest(out).stats["this_attempt"]
+    # Every kind of injected fault happened and was retried, not recorded as an error.
+    assert {"http_500", "http_503", "http_429", "disconnected"} <= set(attempt["transient"])
+    assert attempt["retries"] == sum(attempt["transient"].values())
+    assert attempt["requests"] == 600 + attempt["retries"]
+    assert "Traceback" not in result.stderr
+
+
+def test_permanent_errors_go_to_errors_jsonl_and_truncated_rows_are_flagged(tmp_path, fake_server):
+    server = fake_server("--reasoning")
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 100, marker_every={"REJECT-ME": 10, "CUT-ME": 7})
+    out = tmp_path / "out"
+    assert run_generate(prompts, out, server.url).returncode == 0
+    errors = read_jsonl(out / "errors.jsonl")
+    assert sorted(e["id"] for e in errors) == [f"p{i:05d}" for i in range(0, 100, 10)]
+    assert all(e["kind"] == "http_400" and "reject marker" in e["reason"] for e in errors)
+    rows = {r["id"]: r for r in read_jsonl(out / "conversations.jsonl")}
+    assert len(rows) == 90
+    truncated = {i for i, r in rows.items() if r["truncated"]}
+    assert truncated == {f"p{i:05d}" for i in range(100) if i % 7 == 0 and i % 10 != 0}
+    assert all(r["conversations"][-1]["reasoning_content"].startswith("thinking") for r in rows.values())
+    stats = read_manifest(out).stats
+    assert stats["errors_by_kind"] == {"http_400": 10}
+    assert stats["truncated"] == len(truncated) and stats["conversations"] == 90
+
+    # Dropping truncated rows instead: they move to errors.jsonl (settings changed: starts over).
+    assert run_generate(prompts, out, server.url, extra=("--drop-truncated",)).returncode == 0
+    kinds = Counter(e["kind"] for e in read_jsonl(out / "errors.jsonl"))
+    assert kinds == {"http_400": 10, "truncated": len(truncated)}
+    assert len(read_jsonl(out / "conversations.jsonl")) == 90 - len(truncated)
+
+
+def test_request_carries_sampling_template_kwargs_tools_and_per_row_seed(tmp_path, fake_server):
+    record = tmp_path / "requests.jsonl"
+    server = fake_server("--record", str(record))
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    rows = [
+        {"id": "agent", "source": "t", "tools": [{"type": "function", "function": {"name": "lookup"}}],
+         "messages": [{"role": "user", "content": "look it up"},
+                      {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "found"},
+                      {"role": "assistant", "content": "old answer"}]},
+        {"id": "chat", "source": "t", "messages": [{"role": "user", "content": "q1"},
+                                                   {"role": "assistant", "content": "a1"},
+                                                   {"role": "user", "content": "q2"}]},
+    ]  # fmt: skip
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    extra = ("--mode", "all_turns", "--temperature", "0.3", "--top-p", "0.9", "--max-tokens", "77",
+             "--seed", "5", "--chat-template-kwargs", '{"enable_thinking": true}')  # fmt: skip
+    result = run_generate(prompts, out, server.url, extra=extra)
+    assert result.returncode == 0, result.stderr
+    sent = read_jsonl(record)
+    assert len(sent) == 3  # agent: one (fell back to last_turn); chat: two turns
+    for body in sent:
+        assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.3, 0.9, 77)
+        assert body["chat_template_kwargs"] == {"enable_thinking": True}
+        assert body["model"] == "fake-target"
+    agent = next(b for b in sent if b.get("tools"))
+    assert [m["role"] for m in agent["messages"]] == ["user", "assistant", "tool"]
+    assert agent["messages"][1]["tool_calls"] == [tool_call]
+    assert agent["messages"][2]["tool_call_id"] == "c1"
+    chat = [b for b in sent if not b.get("tools")]
+    assert len({b["seed"] for b in chat}) == 1 and chat[0]["seed"] != agent["seed"]
+    # The second turn is asked with the regenerated first answer, not the source's "a1".
+    assert chat[1]["messages"][1]["content"].startswith("answer-")
+    stats = read_manifest(out).stats
+    assert stats["fallback_last_turn"] == 1
+    out_rows = {r["id"]: r for r in read_jsonl(out / "conversations.jsonl")}
+    assert out_rows["agent"]["mode"] == "last_turn" and out_rows["chat"]["mode"] == "all_turns"
+    assert len(out_rows["chat"]["conversations"]) == 4
+
+
+def test_dead_server_stops_cleanly_and_a_rerun_completes_exactly_once(tmp_path, fake_server):
+    dying = fake_server("--die-after", "150")
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 400)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, dying.url, extra=("--max-retries", "3"))
+    assert result.returncode == 3, result.stderr
+    assert "no server answers any more" in result.stderr and "rerun to resume" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_manifest(out) is None  # nothing looks complete
+    assert not (out / "conversations.jsonl").exists()
+    kept = ids_of(out / "conversations.partial.jsonl")
+    assert 0 < len(kept) <= 150 and len(set(kept)) == len(kept)
+
+    healthy = fake_server()
+    record = tmp_path / "requests.jsonl"
+    healthy = fake_server("--record", str(record))
+    result = run_generate(prompts, out, healthy.url)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(kept)} already done" in result.stderr
+    assert len(read_jsonl(record)) == 400 - len(kept)  # the rerun asked only for the rest
+    ids = ids_of(out / "conversations.jsonl")
+    assert sorted(ids) == [f"p{i:05d}" for i in range(400)]
+
+
+def test_requests_spread_over_several_servers_and_survive_one_dying(tmp_path, fake_server):
+    rec_a, rec_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a = fake_server("--record", str(rec_a), "--slow-rate", "1", "--slow-s", "0.02")
+    b = fake_server("--record", str(rec_b), "--die-after", "40", "--slow-rate", "1", "--slow-s", "0.02")
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 300)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, a.url, b.url, extra=("--max-retries", "2", "--concurrency", "8"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(ids_of(out / "conversations.jsonl")) == [f"p{i:05d}" for i in range(300)]
+    assert len(read_jsonl(rec_b)) >= 40 and len(read_jsonl(rec_a)) >= 150
+
+
+def test_health_wait_reports_the_url_or_waits_for_a_late_server(tmp_path):
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 5)
+    from pipeline.steps.generate.serve import free_port
+
+    port = free_port()
+    result = run_generate(
+        prompts, tmp_path / "out", f"http://127.0.0.1:{port}", extra=("--health-timeout", "2s")
+    )
+    assert result.returncode == 3
+    assert f"server http://127.0.0.1:{port} was not healthy after 2s" in result.stderr
+
+    # A server that comes up while the step waits is used.
+    late: list[FakeServer] = []
+    timer = threading.Timer(2.0, lambda: late.append(FakeServer(port=port)))
+    timer.start()
+    try:
+        started = time.monotonic()
+        result = run_generate(prompts, tmp_path / "out", f"http://127.0.0.1:{port}")
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started >= 2.0
+    finally:
+        timer.join()
+        for server in late:
+            server.kill()
+
+
+def test_api_key_from_env_or_file_is_sent_and_never_written(tmp_path, fake_server):
+    secret = "sk-test-0123456789abcdef"
+    server = fake_server("--api-key", secret)
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 20)
+    denied = run_generate(prompts, tmp_path / "denied", server.url, extra=("--health-timeout", "5s"),
+                          env={"OPENAI_API_KEY": ""})  # fmt: skip
+    assert denied.returncode != 0 and "API key" in denied.stderr
+
+    by_env = run_generate(prompts, tmp_path / "env", server.url, env={"OPENAI_API_KEY": secret})
+    assert by_env.returncode == 0, by_env.stderr
+    key_file = tmp_path / "key"
+    key_file.write_text(secret + "\n")
+    by_file = run_generate(prompts, tmp_path / "file", server.url, extra=("--api-key-file", str(key_file)),
+                           env={"OPENAI_API_KEY": ""})  # fmt: skip
+    assert by_file.returncode == 0, by_file.stderr
+    for result in (denied, by_env, by_file):
+        assert secret not in result.stdout + result.stderr
+    for folder in ("env", "file"):
+        for path in (tmp_path / folder).iterdir():
+            assert secret not in path.read_text(), path
+
+
+def test_changed_prompts_and_retry_errors(tmp_path, fake_server):
+    server = fake_server()
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 30, marker_every={"REJECT-ME": 3})
+    out = tmp_path / "out"
+    assert run_generate(prompts, out, server.url).returncode == 0
+    assert len(read_jsonl(out / "errors.jsonl")) == 10
+
+    # Rows no longer in the prompts are dropped from the output; done rows are not asked again.
+    rows = read_jsonl(prompts)[5:]
+    for row in rows:
+        row["messages"][0]["content"] = row["messages"][0]["content"].replace(" REJECT-ME", "")
+    write_prompts(prompts, rows)
+    record = tmp_path / "requests.jsonl"
+    server2 = fake_server("--record", str(record))
+    result = run_generate(prompts, out, server2.url, extra=("--retry-errors",))
+    assert result.returncode == 0, result.stderr
+    # Only the ids that had failed (and are still wanted) were asked again; now they succeed.
+    assert len(read_jsonl(record)) == 8
+    assert sorted(ids_of(out / "conversations.jsonl")) == [r["id"] for r in rows]
+    assert (out / "errors.jsonl").read_text() == ""
+    assert read_manifest(out).stats["dropped_not_in_prompts"] == 3
+
+
+def test_bad_input_is_one_clear_line(tmp_path, fake_server):
+    server = fake_server()
+    missing = run_generate(tmp_path / "nope.jsonl", tmp_path / "out", server.url)
+    assert missing.returncode == 2 and "run the prep step first" in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "messages": []}) + "\n{broken\n")
+    result = run_generate(bad, tmp_path / "out", server.url)
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
+    assert "Traceback" not in result.stderr
