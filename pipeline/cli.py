@@ -196,5 +196,38 @@ def generate(
     )
 
 
+build_app = typer.Typer(help="Build compiled dependencies under a memory budget.", no_args_is_help=True)
+app.add_typer(build_app, name="build")
+
+
+@build_app.command("flash-attn")
+def build_flash_attn(
+    version: Annotated[str, typer.Option(help="flash-attn release to fetch from PyPI (sdist).")] = "2.8.3",
+    source: Annotated[Path | None, typer.Option(help="An unpacked flash-attn source tree.")] = None,
+    archs: Annotated[str, typer.Option(help="'auto' (this host's GPUs) or e.g. '100;120'.")] = "auto",
+    budget: Annotated[str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size.")] = "auto",
+    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' or N.")] = "auto",
+    out: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(".eyrie/wheels"),
+    run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
+    python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
+    cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
+    headroom: Annotated[str, typer.Option(help="Kept out of an auto budget.")] = "2GiB",
+    cpus: Annotated[int | None, typer.Option(help="CPU slots (default: this process's CPUs).")] = None,
+    profile: Annotated[
+        list[Path] | None, typer.Option(help="Extra measured profile JSON (repeatable).")
+    ] = None,
+) -> None:
+    """Build a flash-attn wheel: nvcc jobs admitted by measured peak, each in its own cgroup."""
+    from pipeline.build.cli import flash_attn_command
+
+    raise typer.Exit(
+        flash_attn_command(
+            version=version, source=source, archs=archs, budget=budget, threads=threads, out=out,
+            run_dir=run_dir, python=python, cuda_home=cuda_home, headroom=headroom, cpus=cpus,
+            profiles=profile or [],
+        )  # fmt: skip
+    )
+
+
 if __name__ == "__main__":
     app()

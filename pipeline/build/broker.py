@@ -1,0 +1,245 @@
+"""The build broker: admits compile jobs by memory and runs each in a cgroup of its own.
+
+Mechanism, and why: an nvcc stand-in set as ``PYTORCH_NVCC`` (see
+``nvcc_wrapper``) forwards every compile job of an unmodified setup.py here.
+The alternative, a GNU make 4.4 fifo jobserver that ninja ≥ 1.13 joins, hands
+out anonymous tokens: it cannot tell a 4 GiB forward kernel from a 7 GiB
+backward one, so it could only admit by the worst case; it cannot put a job in
+a cgroup of its own or record its peak; an OOM-killed job fails ninja's whole
+build; and it needs MAX_JOBS non-numeric (else torch passes ``-j`` and ninja
+ignores the jobserver). The wrapper sees the job's command line (source file,
+archs, ``--threads``), so it admits by that job's measured peak, runs it under
+the spine's local executor (own cgroup, limit = its reservation, peak and wall
+time into the ledger) and re-runs it after an OOM kill before ninja sees any
+failure. flash-attn's own limiter is skipped because MAX_JOBS is set; MAX_JOBS
+only says how many stand-ins wait at once — the scheduler's look-ahead.
+
+Every job's cgroup is a child of one build cgroup whose limit is the budget,
+so even a wrong prediction cannot take more than the budget from the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socketserver
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.build.profile import JobKey, Profile, parse_nvcc_argv
+from pipeline.build.scheduler import AdmissionScheduler, BudgetTooSmall, Job
+from pipeline.build.unconfined import UnconfinedExecutor
+from pipeline.memory import Cgroup, CgroupError, CgroupV2, read_meminfo, step_parent
+from pipeline.run.executor import Launch, Outcome
+from pipeline.run.ledger import Ledger
+from pipeline.run.local import LocalExecutor
+from pipeline.run.verdict import Verdict, decide
+
+WRAPPER = Path(__file__).with_name("nvcc_wrapper.py")
+SOCKET_ENV = "EYRIE_BUILD_SOCKET"
+MEMORY_VERDICTS = frozenset({Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR})
+
+
+@dataclass
+class JobRecord:
+    name: str
+    key: JobKey
+    verdicts: list[str] = field(default_factory=list)
+    reservations: list[int] = field(default_factory=list)
+    anon_peak: int | None = None
+    wall_s: float | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class BuildReport:
+    jobs: list[JobRecord]
+    peak_reserved: int
+    budget: int
+
+    @property
+    def oom_kills(self) -> int:
+        return sum(v in {m.value for m in MEMORY_VERDICTS} for j in self.jobs for v in j.verdicts)
+
+    @property
+    def failed(self) -> list[JobRecord]:
+        return [j for j in self.jobs if j.exit_code not in (0, None) or not j.verdicts]
+
+
+class BuildBroker:
+    """Serves the nvcc stand-ins of one build on a Unix socket."""
+
+    def __init__(self, *, nvcc: str, nvcc_version: str, profile: Profile, budget: int,
+                 cpu_slots: int, run_dir: Path, run_id: str | None = None) -> None:  # fmt: skip
+        self.nvcc = nvcc
+        self.nvcc_version = nvcc_version
+        self.profile = profile
+        self.budget = budget
+        self.scheduler = AdmissionScheduler(budget, cpu_slots)
+        self.run_dir = Path(run_dir)
+        self.run_id = run_id or time.strftime("build-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+        self.ledger = Ledger(self.run_dir)
+        self.records: dict[str, JobRecord] = {}
+        self.fatal: str | None = None
+        self._lock = threading.Lock()
+        self._socket_dir = tempfile.mkdtemp(prefix="eyrie-build-")
+        self.socket_path = os.path.join(self._socket_dir, "broker.sock")
+        self.cgroup: Cgroup | None = None
+        self.confinement = ""
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def __enter__(self) -> BuildBroker:
+        try:
+            self.cgroup = step_parent().child(self.run_id)
+            self.cgroup.create()
+            self.cgroup.set_limit(self.budget)
+            if isinstance(self.cgroup, CgroupV2):
+                self.cgroup.enable_memory_for_children()
+            self.executor = LocalExecutor(parent=self.cgroup)
+            self.confinement = f"each job in its own cgroup under {self.cgroup.path}"
+        except CgroupError as exc:
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            self.cgroup = None
+            self.executor = UnconfinedExecutor()
+            self.confinement = (
+                f"no cgroup can be created here ({exc}); jobs are admitted by prediction and "
+                "run as plain processes, peaks read from /proc"
+            )
+        self.ledger.start_run(self.run_id, "eyrie build", self.executor.name, [], self.budget, "build budget")
+        broker = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                request = json.loads(self.rfile.readline())
+                reply = broker.handle(request)
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+        self._server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="build-broker", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        failed = exc[0] is not None or self.fatal is not None or bool(self.report().failed)
+        self.ledger.end_run(self.run_id, "failed" if failed else "succeeded")
+        self.ledger.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        Path(self.socket_path).unlink(missing_ok=True)
+        os.rmdir(self._socket_dir)
+
+    def env(self) -> dict[str, str]:
+        """What a build command needs in its environment to send its nvcc jobs here."""
+        return {
+            "PYTORCH_NVCC": f"{sys.executable} -S -I {WRAPPER}",
+            SOCKET_ENV: self.socket_path,
+        }
+
+    def report(self) -> BuildReport:
+        return BuildReport(list(self.records.values()), self.scheduler.peak_reserved, self.budget)
+
+    # -- one job ------------------------------------------------------------------------
+    def handle(self, request: dict) -> dict:
+        argv: list[str] = request["argv"]
+        source, archs, threads = parse_nvcc_argv(argv)
+        if source is None:  # not a compile (e.g. a device link): run it, admitted as a default job
+            source = "nvcc " + " ".join(argv[:3])
+        key = JobKey(Path(source).name, archs, threads, self.nvcc_version)
+        name = "nvcc " + Path(source).name
+        with self._lock:
+            record = self.records.setdefault(name, JobRecord(name, key))
+        prediction = self.profile.predict(key)
+        job = Job(name, prediction.peak_bytes, slots=key.archs_in_flight, basis=prediction.basis, key=key)
+        self.scheduler.submit(job)
+        while True:
+            job.admitted.wait()
+            if self.fatal:
+                self.scheduler.release(job)
+                return {"exit": 1, "stderr": f"eyrie build: {self.fatal}\n"}
+            outcome, decision, output = self._run(job, argv, request, record)
+            if decision.verdict in MEMORY_VERDICTS:
+                observed = max(outcome.peak_bytes or 0, outcome.anon_peak_bytes or 0)
+                try:
+                    self.scheduler.requeue_after_oom(job, observed)
+                except BudgetTooSmall as exc:
+                    self.fatal = str(exc)
+                    self.scheduler.abort()
+                    return {"exit": 1, "stdout": "", "stderr": f"eyrie build: {exc}\n"}
+                continue
+            if outcome.exit_code == 0 and outcome.anon_peak_bytes:
+                self.profile.observe(key, outcome.anon_peak_bytes, record.wall_s or 0.0, outcome.timeline)
+            self.scheduler.release(job, self._repredict)
+            exit_code = outcome.exit_code if outcome.exit_code is not None else 128 + (outcome.signal or 0)
+            return {"exit": exit_code, "stdout": output[0], "stderr": output[1]}
+
+    def _repredict(self, job: Job) -> int:
+        prediction = self.profile.predict(job.key)
+        job.basis = prediction.basis
+        return prediction.peak_bytes
+
+    def _run(self, job: Job, argv: list[str], request: dict, record: JobRecord):
+        attempt = self.ledger.next_attempt_number(job.name)
+        logs = self.run_dir / "logs"
+        stem = f"{Path(record.key.source).stem}.{attempt}"
+        launch = Launch(
+            run_id=self.run_id, step=job.name, attempt=attempt, argv=[self.nvcc, *argv],
+            cwd=Path(request["cwd"]), env=request["env"], limit_bytes=job.reservation,
+            stdout_path=logs / f"{stem}.out", stderr_path=logs / f"{stem}.err",
+        )  # fmt: skip
+        meminfo = read_meminfo()
+        attempt_id = self.ledger.begin_attempt(
+            run_id=self.run_id, step=job.name, attempt=attempt, executor=self.executor.name,
+            limit_bytes=job.reservation, limit_reason=job.basis, argv=launch.argv,
+            host_mem_available=meminfo.get("MemAvailable", 0),
+            host_mem_total=meminfo.get("MemTotal", 0), image=None, commit_id=None,
+        )  # fmt: skip
+        running = self.executor.start(launch)
+        self.ledger.attempt_started(attempt_id, running.pid, running.where)
+        outcome: Outcome = running.wait()
+        output_file = _output_of(argv, Path(request["cwd"]))
+        complete = outcome.exit_code == 0 and output_file is not None and output_file.is_file()
+        decision = decide(outcome, complete, f"{output_file} written" if complete else "no object file")
+        self.ledger.end_attempt(
+            attempt_id, verdict=decision.verdict.value, reason=decision.reason,
+            fields={
+                "peak_bytes": outcome.peak_bytes, "anon_peak_bytes": outcome.anon_peak_bytes,
+                "oom_kills": outcome.oom_kills, "oom_kills_before": outcome.oom_kills_before,
+                "oom_kills_after": outcome.oom_kills_after, "oom_at": outcome.oom_at,
+                "exit_code": outcome.exit_code, "signal": outcome.signal,
+                "ended_at": outcome.ended_at, "stderr_tail": json.dumps(outcome.stderr_tail),
+            },
+            timeline=outcome.timeline,
+        )  # fmt: skip
+        with self._lock:
+            record.verdicts.append(decision.verdict.value)
+            record.reservations.append(job.reservation)
+            record.anon_peak = outcome.anon_peak_bytes
+            record.wall_s = outcome.ended_at - outcome.started_at
+            record.exit_code = outcome.exit_code
+        output = (_read(launch.stdout_path), _read(launch.stderr_path))
+        return outcome, decision, output
+
+
+def _output_of(argv: list[str], cwd: Path) -> Path | None:
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-o":
+            return cwd / argv[i + 1]
+    return None
+
+
+def _read(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return text

@@ -1,0 +1,300 @@
+"""Build a flash-attn wheel from its real, unmodified setup.py under a memory budget.
+
+flash-attn's setup.py compiles one nvcc process per ``.cu`` file; each compiles
+every architecture in ``FLASH_ATTN_CUDA_ARCHS`` with ``--threads $NVCC_THREADS``.
+Its own job limiter runs only when MAX_JOBS is unset and reads host memory
+through psutil, blind to a container's limit. Here MAX_JOBS is always set (the
+limiter stays out of the way) and only sizes the look-ahead: every nvcc job goes
+through the build broker, which admits it by its measured peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.build.broker import BuildBroker, BuildReport
+from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile
+from pipeline.memory import memory_budget
+from pipeline.run.manifest import atomic_path
+
+FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
+"""The architectures flash-attn 2.8.3's setup.py knows (``FLASH_ATTN_CUDA_ARCHS``)."""
+DEFAULT_HEADROOM = 2 * 2**30
+"""Left outside the budget for what the broker does not admit: setup.py, ninja, the
+waiting nvcc stand-ins, the C++ compile of flash_api.cpp (~1.5 GiB) and the link."""
+DEFAULT_JOB_PEAK_PER_ARCH = 8 * 2**30
+"""A never-measured flash-attn TU: above the largest peak measured for one arch
+(a backward kernel, ~6.6 GiB for sm_120), so an unknown file is never packed too tight."""
+
+
+class BuildError(RuntimeError):
+    """The build cannot go on; the message says what, where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    python: str
+    torch: str
+    torch_cuda: str | None
+    cuda_home: Path
+    nvcc_version: str
+
+    @property
+    def nvcc(self) -> Path:
+        return self.cuda_home / "bin" / "nvcc"
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: str
+    source: Path
+    archs: tuple[str, ...]
+    threads: int
+    budget: int
+    budget_basis: str
+    toolchain: Toolchain
+    cpu_slots: int
+
+    @property
+    def cache_key(self) -> str:
+        cuda = self.toolchain.torch_cuda or "cpu"
+        return (
+            f"flash_attn-{self.version}-torch{self.toolchain.torch}-cuda{cuda}"
+            f"-nvcc{self.toolchain.nvcc_version}-sm{'_'.join(self.archs)}"
+        )
+
+
+# -- what the host has ---------------------------------------------------------------------
+def gpu_archs(nvidia_smi: str = "nvidia-smi") -> tuple[str, ...]:
+    """flash-attn arch codes for this host's GPUs (``nvidia-smi --query-gpu=compute_cap``)."""
+    try:
+        out = subprocess.run(
+            [nvidia_smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(
+            f"--archs auto needs the host's GPUs, but `{nvidia_smi} --query-gpu=compute_cap` "
+            f"failed ({exc.__class__.__name__}); pass the archs, e.g. --archs '100;120'"
+        ) from exc
+    return archs_for_compute_caps(out.split())
+
+
+def archs_for_compute_caps(caps: list[str]) -> tuple[str, ...]:
+    """Map compute capabilities (``12.0``) to the flash-attn arch list that runs on them."""
+    archs = set()
+    for cap in caps:
+        major, _, minor = cap.strip().partition(".")
+        if not major.isdigit():
+            continue
+        code = {8: "80", 9: "90", 10: "100", 11: "100", 12: "120"}.get(int(major))
+        if code is None:
+            raise BuildError(f"GPU compute capability {cap} has no flash-attn 2 build; its archs: "
+                             f"{';'.join(FLASH_ATTN_ARCHS)}")  # fmt: skip
+        archs.add(code)
+    if not archs:
+        raise BuildError("nvidia-smi listed no GPU; pass the archs, e.g. --archs '100;120'")
+    return tuple(sorted(archs, key=int))
+
+
+def parse_archs(text: str) -> tuple[str, ...]:
+    if text == "auto":
+        return gpu_archs()
+    archs = tuple(sorted({a.strip() for a in re.split(r"[;, ]+", text) if a.strip()}, key=int))
+    unknown = [a for a in archs if a not in FLASH_ATTN_ARCHS]
+    if unknown or not archs:
+        raise BuildError(f"--archs {text!r}: flash-attn builds only {';'.join(FLASH_ATTN_ARCHS)}")
+    return archs
+
+
+def toolchain(python: str, cuda_home: str | None) -> Toolchain:
+    home = Path(cuda_home or os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    nvcc = home / "bin" / "nvcc"
+    if not nvcc.is_file():
+        raise BuildError(f"no nvcc at {nvcc}: install a CUDA toolkit or pass --cuda-home (or CUDA_HOME)")
+    release = re.search(r"release (\d+\.\d+)", subprocess.run([str(nvcc), "--version"],
+                        capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    probe = subprocess.run(
+        [python, "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(
+            f"{python} cannot import torch, which flash-attn builds against ({last}); "
+            "pass --python of an environment with torch"
+        )
+    torch_version, torch_cuda = json.loads(probe.stdout)
+    return Toolchain(python, torch_version, torch_cuda, home, release.group(1) if release else "unknown")
+
+
+def auto_threads(archs: tuple[str, ...], budget: int, cpus: int, per_arch_peak: int) -> int:
+    """nvcc ``--threads``: one per arch when memory can keep every CPU busy that way, else 1.
+
+    ``--threads`` parallelises over the archs of one file and multiplies its peak; with
+    memory to spare it shortens the build, with memory binding it only packs fewer jobs.
+    """
+    jobs_by_memory = budget // max(1, per_arch_peak * len(archs))
+    return len(archs) if jobs_by_memory * len(archs) >= cpus else 1
+
+
+def resolve_budget(text: str, headroom: int) -> tuple[int, str]:
+    from pipeline.memory import parse_size
+
+    if text != "auto":
+        return parse_size(text), "given with --budget"
+    budget = memory_budget()
+    available = budget.available - headroom
+    if available <= 0:
+        raise BuildError(
+            f"this process has {budget.available / 2**30:.1f} GiB (bound by {budget.binding}), "
+            f"less than the {headroom / 2**30:.1f} GiB headroom: free memory or pass --budget"
+        )
+    return (
+        available,
+        f"{budget.available / 2**30:.1f} GiB available ({budget.binding})"
+        f" − {headroom / 2**30:.1f} GiB headroom",
+    )
+
+
+# -- sources --------------------------------------------------------------------------------
+def fetch_sdist(version: str, into: Path, python: str) -> Path:
+    """flash-attn's sdist from PyPI, unpacked under ``into``; reused when already there."""
+    target = into / f"flash_attn-{version}"
+    if (target / "setup.py").is_file():
+        return target
+    into.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=into) as tmp:
+        # Preparing metadata runs setup.py: skip its CUDA part so it needs neither nvcc nor a GPU.
+        env = {**os.environ, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}
+        done = subprocess.run(
+            [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "--no-build-isolation", f"flash-attn=={version}", "-d", tmp],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        archives = list(Path(tmp).glob("flash_attn-*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            raise BuildError(f"could not download the flash-attn {version} sdist from PyPI: "
+                             f"{(done.stderr.strip().splitlines() or ['no archive'])[-1]}; "
+                             "pass --source DIR with an unpacked flash-attn source tree")  # fmt: skip
+        with tarfile.open(archives[0]) as tar:
+            tar.extractall(tmp, filter="data")
+        shutil.move(str(Path(tmp) / f"flash_attn-{version}"), target)
+    return target
+
+
+def source_version(source: Path) -> str:
+    init = (source / "flash_attn" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", init, re.MULTILINE)
+    if not match or not (source / "setup.py").is_file():
+        raise BuildError(f"{source} is not a flash-attn source tree (no setup.py / __version__)")
+    return match.group(1)
+
+
+def cuda_sources(source: Path) -> list[str]:
+    """The ``.cu`` files the CUDA extension of this setup.py compiles, as named in it."""
+    text = (source / "setup.py").read_text(encoding="utf-8")
+    return sorted(set(re.findall(r'"csrc/flash_attn/src/([\w]+\.cu)"', text)))
+
+
+# -- the build ------------------------------------------------------------------------------
+def load_profile(archs: tuple[str, ...], threads: int, extra: list[Path] | None = None) -> Profile:
+    default = min(DEFAULT_JOB_PEAK_PER_ARCH * min(threads, len(archs)), 2**62)
+    return Profile.load([SHIPPED_PROFILES, *(extra or [])], default_peak=default)
+
+
+def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> None:
+    """Refuse a budget below the largest measured single job, with the numbers."""
+    worst, worst_file = 0, ""
+    for name in sources:
+        key = JobKey(name, plan.archs, plan.threads, plan.toolchain.nvcc_version)
+        prediction = profile.predict(key)
+        if prediction.basis.startswith("unmeasured"):
+            continue
+        measured = math.ceil(prediction.peak_bytes / profile.margin)
+        if measured > worst:
+            worst, worst_file = measured, name
+    if worst > plan.budget:
+        raise BuildError(
+            f"budget {plan.budget / 2**30:.2f} GiB is below the measured peak of one job: {worst_file} "
+            f"needs {worst / 2**30:.2f} GiB for sm {';'.join(plan.archs)} with --threads {plan.threads}; "
+            "raise --budget, lower --threads, or build fewer archs"
+        )
+
+
+def build_env(plan: Plan, broker_env: dict[str, str], lookahead: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        **broker_env,
+        "CUDA_HOME": str(plan.toolchain.cuda_home),
+        "FLASH_ATTN_CUDA_ARCHS": ";".join(plan.archs),
+        "NVCC_THREADS": str(plan.threads),
+        # Set, so flash-attn's psutil limiter stays out; numeric, so torch passes `-j` to ninja:
+        # it bounds how many nvcc stand-ins wait for admission, not how many compile.
+        "MAX_JOBS": str(lookahead),
+        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # never try to download a prebuilt wheel
+    }
+
+
+def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
+              log=print) -> tuple[Path, BuildReport]:  # fmt: skip
+    """Compile and link the wheel; returns its path in the cache and the build's report."""
+    sources = cuda_sources(plan.source)
+    check_budget(plan, profile, sources)
+    lookahead = min(len(sources) or 1, max(8, 4 * plan.cpu_slots))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with BuildBroker(
+        nvcc=str(plan.toolchain.nvcc), nvcc_version=plan.toolchain.nvcc_version, profile=profile,
+        budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir,
+    ) as broker, tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir:  # fmt: skip
+        log(f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
+            f"{plan.threads}, budget {plan.budget / 2**30:.2f} GiB ({plan.budget_basis}), "
+            f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}")  # fmt: skip
+        setup_log = run_dir / "setup.log"
+        with open(setup_log, "w", encoding="utf-8") as fh:
+            done = subprocess.run(
+                [plan.toolchain.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                 "--wheel-dir", wheel_dir, "--verbose", str(plan.source)],
+                env=build_env(plan, broker.env(), lookahead), stdout=fh, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        report = broker.report()
+        wheels = list(Path(wheel_dir).glob("flash_attn-*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = broker.fatal or _last_error(setup_log)
+            raise BuildError(f"the flash-attn build failed: {reason}; full log: {setup_log}; "
+                             f"per-job attempts: eyrie status --run-dir {run_dir}")  # fmt: skip
+        target_dir = out / plan.cache_key
+        with atomic_path(target_dir) as tmp:
+            tmp.mkdir()
+            shutil.copy2(wheels[0], tmp / wheels[0].name)
+            facts = {**asdict(plan), "wall_s": round(time.time() - started, 1),
+                     "oom_kills": report.oom_kills, "jobs": len(report.jobs),
+                     "peak_reserved": report.peak_reserved, "run_id": broker.run_id}  # fmt: skip
+            (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
+        profile.save(run_dir / "profile.json", note=f"measured by run {broker.run_id}",
+                     only_nvcc=plan.toolchain.nvcc_version)  # fmt: skip
+    return target_dir / wheels[0].name, report
+
+
+def cached_wheel(out: Path, plan_key: str) -> Path | None:
+    wheels = sorted((out / plan_key).glob("flash_attn-*.whl"))
+    return wheels[0] if wheels else None
+
+
+def _last_error(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").splitlines()]
+    for line in reversed(lines):
+        if "error" in line.lower() and line:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"

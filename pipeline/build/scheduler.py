@@ -1,0 +1,134 @@
+"""Admission by memory: a compile job starts only when its predicted peak fits the budget.
+
+The scheduler is bookkeeping, with no clock and no processes: the build broker
+drives it with real jobs and threads, the incident simulation
+(``benchmarks/build_simulate.py``) with a virtual clock, so both run the very
+same decisions.
+
+Rules:
+- A job reserves its predicted peak. It is admitted when the reservations of the
+  running jobs plus its own fit the budget and a CPU slot is free (a job takes
+  as many slots as nvcc compiles architectures at once).
+- Waiting jobs are tried largest reservation first (first-fit decreasing): big
+  jobs start early instead of ending the build alone, small ones fill the gaps.
+- When nothing runs, the head job is admitted whatever it reserves, clipped to
+  the budget: a build always makes progress.
+- A job OOM-killed under its own limit is re-queued reserving its observed peak
+  × ``RETRY_GROWTH`` (at most the whole budget). Killed while holding the whole
+  budget, it cannot fit, and the build fails with the numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+RETRY_GROWTH = 2.0
+"""Killed at its limit, a job shows only that it needs more than the limit; doubling
+bounds the retries at log2(budget / first guess) while rarely over-reserving by more than 2×."""
+
+
+class BudgetTooSmall(RuntimeError):
+    """A job needs more memory than the whole budget; the message gives the numbers."""
+
+
+@dataclass(eq=False)
+class Job:
+    name: str
+    reservation: int
+    slots: int = 1
+    basis: str = ""
+    attempt: int = 1
+    key: object = None
+    """What the caller predicts this job's peak from (see ``release``)."""
+    seq: int = 0
+    admitted: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+class AdmissionScheduler:
+    def __init__(self, budget: int, cpu_slots: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"memory budget must be positive, got {budget}")
+        self.budget = budget
+        self.cpu_slots = max(1, cpu_slots)
+        self.waiting: list[Job] = []
+        self.running: list[Job] = []
+        self.peak_reserved = 0
+        self._seq = itertools.count()
+        self._lock = threading.RLock()
+
+    @property
+    def reserved(self) -> int:
+        return sum(j.reservation for j in self.running)
+
+    @property
+    def slots_used(self) -> int:
+        return sum(j.slots for j in self.running)
+
+    def submit(self, job: Job) -> list[Job]:
+        """Queue a job; returns the jobs admitted now (possibly this one)."""
+        with self._lock:
+            job.reservation = min(job.reservation, self.budget)
+            job.seq = next(self._seq)
+            self.waiting.append(job)
+            return self._dispatch()
+
+    def release(self, job: Job, repredict: Callable[[Job], int] | None = None) -> list[Job]:
+        """A job ended; returns the jobs admitted in its place.
+
+        ``repredict`` gives waiting first attempts a new reservation: what the ended
+        job measured corrects the guesses made before it finished.
+        """
+        with self._lock:
+            self.running.remove(job)
+            if repredict is not None:
+                for waiting in self.waiting:
+                    if waiting.attempt == 1:
+                        waiting.reservation = min(self.budget, repredict(waiting))
+            return self._dispatch()
+
+    def requeue_after_oom(self, job: Job, observed_peak: int) -> list[Job]:
+        """A job was OOM-killed under its reservation: re-queue it with the observed figure, grown."""
+        with self._lock:
+            self.running.remove(job)
+            if job.reservation >= self.budget:
+                raise BudgetTooSmall(
+                    f"{job.name} was OOM-killed holding the whole budget of {_gib(self.budget)} "
+                    f"(observed peak {_gib(observed_peak)}): it cannot be built within this budget; "
+                    "give it more memory (--budget) or fewer nvcc threads/archs per job"
+                )
+            job.reservation = min(self.budget, int(max(observed_peak, job.reservation) * RETRY_GROWTH))
+            job.basis = f"OOM-killed at {_gib(observed_peak)}: retry reserving {_gib(job.reservation)}"
+            job.attempt += 1
+            job.admitted.clear()
+            job.seq = next(self._seq)
+            self.waiting.append(job)
+            return self._dispatch()
+
+    def abort(self) -> None:
+        """Wake every waiting job (the build is failing); each must still ``release`` itself."""
+        with self._lock:
+            for job in list(self.waiting):
+                self.waiting.remove(job)
+                self.running.append(job)
+                job.admitted.set()
+
+    def _dispatch(self) -> list[Job]:
+        admitted: list[Job] = []
+        for job in sorted(self.waiting, key=lambda j: (-j.reservation, j.seq)):
+            fits_memory = self.reserved + job.reservation <= self.budget
+            fits_cpu = self.slots_used + job.slots <= self.cpu_slots
+            if (fits_memory and fits_cpu) or not self.running:
+                self.waiting.remove(job)
+                self.running.append(job)
+                admitted.append(job)
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+        for job in admitted:
+            job.admitted.set()
+        return admitted
+
+
+def _gib(num: int) -> str:
+    return f"{num / 2**30:.2f} GiB"

@@ -1,0 +1,119 @@
+"""Running compile jobs where no cgroup can be created: inside ``docker build``.
+
+A BuildKit RUN step sees its cgroup read-only, and BuildKit cannot limit one
+build's memory. There the broker still admits jobs by predicted peak against
+the budget (what the builder's cgroup allows), but a job runs as a plain
+process tree: its peak is the largest sum of the tree's anonymous memory seen
+in /proc, and an OOM kill is the enclosing cgroup's ``oom_kill`` counter rising
+while the job's main process died of SIGKILL — the same evidence the spine's
+verdicts read.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from pipeline.memory import Cgroup, CgroupError, current_cgroup
+from pipeline.run.executor import Launch, LineCapture, Outcome
+
+POLL_S = 0.2
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def tree_anon_bytes(pid: int) -> int:
+    """Anonymous memory (RssAnon) of a process and all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        stack += _children(current)
+    return total
+
+
+class UnconfinedAttempt:
+    def __init__(self, launch: Launch, enclosing: Cgroup | None) -> None:
+        self.enclosing = enclosing
+        self.where = f"process tree in {enclosing.path if enclosing else 'an unknown cgroup'}"
+        self._kills_before = self._kills()
+        self.started_at = time.time()
+        self.proc = subprocess.Popen(
+            launch.argv, cwd=launch.cwd, env=launch.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        self.pid: int | None = self.proc.pid
+        self._out = LineCapture(self.proc.stdout, launch.stdout_path, "stdout", launch.on_line)
+        self._err = LineCapture(self.proc.stderr, launch.stderr_path, "stderr", launch.on_line)
+        self._peak = 0
+        self._timeline: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._sample, name=f"watch-{self.pid}", daemon=True)
+        self._watch.start()
+
+    def _kills(self) -> int:
+        try:
+            return self.enclosing.oom_kills() if self.enclosing else 0
+        except OSError:
+            return 0
+
+    def _sample(self) -> None:
+        window, window_start = 0, time.time()
+        while not self._stop.wait(POLL_S):
+            anon = tree_anon_bytes(self.proc.pid)
+            self._peak = max(self._peak, anon)
+            window = max(window, anon)
+            if time.time() - window_start >= 1.0:
+                self._timeline.append((round(time.time() - self.started_at, 3), window, window))
+                window, window_start = 0, time.time()
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        try:
+            status = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        ended_at = time.time()
+        self._stop.set()
+        self._watch.join()
+        self._out.join(2)
+        self._err.join(2)
+        return Outcome(
+            exit_code=status if status >= 0 else None, signal=-status if status < 0 else None,
+            oom_kills_before=self._kills_before, oom_kills_after=self._kills(), oom_at=None,
+            peak_bytes=self._peak or None, anon_peak_bytes=self._peak or None,
+            started_at=self.started_at, ended_at=ended_at, timeline=self._timeline,
+            stderr_tail=list(self._err.tail), where=self.where,
+        )  # fmt: skip
+
+    def stop(self, reason: str) -> None:
+        self.proc.kill()
+
+
+class UnconfinedExecutor:
+    name = "unconfined"
+
+    def __init__(self) -> None:
+        try:
+            self.enclosing: Cgroup | None = current_cgroup()
+        except CgroupError:
+            self.enclosing = None
+
+    def start(self, launch: Launch) -> UnconfinedAttempt:
+        launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        return UnconfinedAttempt(launch, self.enclosing)

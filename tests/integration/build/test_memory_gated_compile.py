@@ -1,0 +1,140 @@
+"""Real nvcc on small real CUDA translation units, under a tight cgroup limit.
+
+The fixtures (``fixtures/big_*.cu``) each peak at about 0.9 GiB while cicc
+instantiates templates. Four of them compiled at once need ~3.6 GiB; the limit
+here is 2.5 GiB. ninja drives the compiles exactly as torch's cpp_extension
+does (``nvcc = $PYTORCH_NVCC`` in the ninja file), once with the real nvcc and
+once with the broker's stand-in.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.build.broker import BuildBroker
+from pipeline.build.profile import JobKey, Profile, ProfileEntry
+from pipeline.memory import step_parent
+from pipeline.run.executor import Launch
+from pipeline.run.ledger import Ledger
+from pipeline.run.local import LocalExecutor
+
+CUDA_HOME = Path("/usr/local/cuda-13.0")
+NVCC = CUDA_HOME / "bin" / "nvcc"
+FIXTURES = Path(__file__).parent / "fixtures"
+GiB = 2**30
+LIMIT = int(2.5 * GiB)
+BIG = ["big_a.cu", "big_b.cu", "big_c.cu", "big_d.cu"]
+NVCC_FLAGS = "-std=c++17 -gencode arch=compute_120,code=sm_120 --threads 1"
+
+pytestmark = [
+    pytest.mark.usefixtures("real_cgroups"),
+    pytest.mark.skipif(not NVCC.is_file(), reason=f"needs nvcc at {NVCC}"),
+    pytest.mark.skipif(shutil.which("ninja") is None, reason="needs ninja"),
+    pytest.mark.timeout(900),
+]
+
+
+def write_ninja(build_dir: Path, nvcc_command: str, sources: list[str]) -> None:
+    """A ninja file with torch cpp_extension's CUDA rule, compiling the fixture sources."""
+    lines = [
+        "ninja_required_version = 1.3",
+        f"nvcc = {nvcc_command}",
+        "rule cuda_compile",
+        f"  command = $nvcc -c $in -o $out {NVCC_FLAGS}",
+    ]
+    lines += [f"build {build_dir / Path(s).stem}.o: cuda_compile {FIXTURES / s}" for s in sources]
+    (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
+
+
+def broker_for(tmp_path: Path, profile: Profile, budget: int = LIMIT) -> BuildBroker:
+    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", profile=profile, budget=budget,
+                       cpu_slots=4, run_dir=tmp_path / "run")  # fmt: skip
+
+
+def ninja(build_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(["ninja", "-j", "4"], cwd=build_dir, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=800)  # fmt: skip
+
+
+def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_ninja(plain, str(NVCC), BIG)
+    attempt = LocalExecutor(parent=step_parent()).start(
+        Launch(
+            run_id="plain",
+            step=f"ninja-{tmp_path.name}",
+            attempt=1,
+            argv=["ninja", "-j", "4"],
+            cwd=plain,
+            env={"PATH": f"{CUDA_HOME}/bin:/usr/bin:/bin"},
+            limit_bytes=LIMIT,
+            stdout_path=tmp_path / "plain.out",
+            stderr_path=tmp_path / "plain.err",
+        )  # fmt: skip
+    )
+    outcome = attempt.wait()
+    assert outcome.oom_kills >= 1, "four 0.9 GiB compiles at once should not fit 2.5 GiB"
+    assert outcome.exit_code != 0
+
+    scheduled = tmp_path / "scheduled"
+    scheduled.mkdir()
+    # Nothing measured: the first job runs alone on a default of the whole budget,
+    # and its real peak corrects the prediction for the other three.
+    with broker_for(tmp_path, Profile(default_peak=LIMIT)) as broker:
+        write_ninja(scheduled, broker.env()["PYTORCH_NVCC"], BIG)
+        done = ninja(scheduled, broker.env())
+    report = broker.report()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all((scheduled / f"{Path(s).stem}.o").is_file() for s in BIG)
+    assert report.oom_kills == 0
+    assert report.peak_reserved <= LIMIT
+
+    ledger = Ledger(tmp_path / "run", create=False)
+    rows = ledger.attempts()
+    assert sorted(r.step for r in rows) == [f"nvcc {s}" for s in BIG]
+    assert {r.verdict for r in rows} == {"succeeded"}
+    assert all(0 < r.anon_peak_bytes <= r.limit_bytes for r in rows)
+    # After the first job, two ran side by side: the correction made room for them.
+    spans = sorted((r.started_at, r.ended_at) for r in rows)
+    assert any(b[0] < a[1] for a, b in zip(spans[1:], spans[2:], strict=False)), spans
+
+
+def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    build.mkdir()
+    # A stale measurement: big_a.cu "needed" 0.55 GiB. Its limit (0.55 × 1.15) is too low.
+    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5)
+    profile = Profile([stale], default_peak=LIMIT)
+    with broker_for(tmp_path, profile) as broker:
+        write_ninja(build, broker.env()["PYTORCH_NVCC"], ["big_a.cu", "small_a.cu"])
+        done = ninja(build, broker.env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (build / "big_a.o").is_file()
+
+    rows = Ledger(tmp_path / "run", create=False).attempts("nvcc big_a.cu")
+    assert [r.verdict for r in rows][0] in ("oom_killed", "child_oom_killed")
+    assert rows[0].oom_kills >= 1
+    assert [r.verdict for r in rows][1:] == ["succeeded"]
+    assert rows[1].limit_bytes > rows[0].limit_bytes
+    # The build learned the real figure for the rest of the build (and the next one).
+    learned = profile.predict(JobKey("big_a.cu", ("120",), 1, "13.0"))
+    assert learned.peak_bytes > rows[0].limit_bytes
+
+
+def test_a_budget_below_one_job_fails_the_build_with_the_numbers(tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    build.mkdir()
+    budget = 300 * 2**20
+    with broker_for(tmp_path, Profile(default_peak=budget), budget=budget) as broker:
+        write_ninja(build, broker.env()["PYTORCH_NVCC"], ["big_a.cu"])
+        done = ninja(build, broker.env())
+    assert done.returncode != 0
+    assert "OOM-killed holding the whole budget of 0.29 GiB" in done.stdout + done.stderr
+    assert not (build / "big_a.o").exists()
