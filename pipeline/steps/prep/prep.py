@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -201,7 +202,7 @@ def prep(
             source.location(catalog.base, offline)
         memory_per_worker = parse_size(worker_memory)
     except (CatalogError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -226,7 +227,7 @@ def prep(
         console.print(counts_table(results))
         for r in failed:
             reason = r.error or f"source {r.name!r}: 0 records accepted out of {r.read} read"
-            console.print(f"[red]error:[/] {reason}", soft_wrap=True)
+            console.print(f"[red]error:[/] {escape(reason)}", soft_wrap=True)
         console.print(f"[red]prep failed:[/] {len(failed)} of {len(results)} sources; no output written")
         return 1
 

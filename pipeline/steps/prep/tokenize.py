@@ -1,0 +1,444 @@
+"""``eyrie tokenize``: conversations in, parquet shards (``input_ids``, ``loss_mask``, ``source``) out.
+
+The loss mask marks what the assistant produces (reasoning, text, tool calls,
+its end-of-turn token) and nothing else. It comes from ONE rendering and ONE
+tokenization per conversation: the chat template yields the character spans of
+the assistant's output, the tokenizer yields each token's character offsets, and
+a single sweep over both marks the tokens that overlap a span. Cost is linear in
+the conversation's length; no prefix is ever tokenized again.
+
+Spans come from ``{% generation %}`` markers when the template has them (the
+shipped Kimi-K2-style template does). A template without markers gets its spans
+from the text of rendered prefixes instead (still one tokenization; the string
+rendering grows with the number of turns), and the manifest says which method ran.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+
+TEMPLATES_DIR = Path(__file__).with_name("templates")
+SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
+SHARDS = "shards"
+DEFAULT_MAX_LENGTH = 4096
+DEFAULT_SHARD_ROWS = 8192
+BATCH = 256
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Special tokens a template writes literally; each must be ONE token of the tokenizer,
+# or the rendered markup would be split into pieces the target never saw.
+_MARKUP_RE = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+console = Console(stderr=True)
+if not console.is_terminal:  # logs: wide enough that the counts table keeps one line per source
+    console.width = max(console.width, 150)
+
+
+class TokenizeError(RuntimeError):
+    """Tokenization cannot proceed; the message is one line saying what and how to fix it."""
+
+
+@dataclass
+class ChatTemplate:
+    name: str
+    source: str
+    markers: bool
+
+    @property
+    def method(self) -> str:
+        return "generation_markers" if self.markers else "prefix_render"
+
+
+@dataclass
+class Counts:
+    conversations: int = 0
+    rows: int = 0
+    tokens: int = 0
+    assistant_tokens: int = 0
+    truncated: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def as_stats(self) -> dict[str, Any]:
+        return {
+            "conversations": self.conversations,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "assistant_tokens": self.assistant_tokens,
+            "truncated": self.truncated,
+            "rejected": dict(sorted(self.rejected.items())),
+        }
+
+
+def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
+    """``tokenizer`` (the folder's own template), a shipped name (``kimi-k2``) or a ``.jinja`` path."""
+    if choice == "tokenizer":
+        source = tokenizer.chat_template
+        if isinstance(source, dict):
+            source = source.get("default")
+        if not source:
+            raise TokenizeError(
+                "the tokenizer folder has no chat template; pass --chat-template kimi-k2 or a .jinja file"
+            )
+        name = "tokenizer"
+    else:
+        path = SHIPPED_TEMPLATES.get(choice, Path(choice))
+        if not path.is_file():
+            raise TokenizeError(
+                f"chat template {choice!r} is neither 'tokenizer', a shipped template "
+                f"({', '.join(SHIPPED_TEMPLATES)}) nor an existing .jinja file"
+            )
+        source, name = path.read_text(encoding="utf-8"), choice
+    vocab = tokenizer.get_vocab()
+    missing = sorted({t for t in _MARKUP_RE.findall(source) if t not in vocab})
+    if missing:
+        raise TokenizeError(
+            f"chat template {name!r} writes {', '.join(missing)}, which the tokenizer does not have as "
+            f"tokens; use the target's own template (--chat-template tokenizer) or its tokenizer"
+        )
+    return ChatTemplate(name, source, bool(_GENERATION_RE.search(source)))
+
+
+def _render(
+    template: ChatTemplate,
+    messages: list[dict],
+    tools: Any,
+    generation_prompt: bool = False,
+    special: dict | None = None,
+) -> tuple[str, list[tuple[int, int]]]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, indices = render_jinja_template(
+        conversations=[messages],
+        tools=tools,
+        chat_template=template.source,
+        return_assistant_tokens_mask=template.markers,
+        add_generation_prompt=generation_prompt,
+        **(special or {}),
+    )
+    return texts[0], [tuple(span) for span in indices[0]] if template.markers else []
+
+
+def assistant_spans(
+    template: ChatTemplate, messages: list[dict], tools: Any, special: dict
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of the assistant's output, in order."""
+    text, spans = _render(template, messages, tools, special=special)
+    if template.markers:
+        return text, spans
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, _ = _render(template, messages[:i], tools, generation_prompt=True, special=special)
+        through, _ = _render(template, messages[: i + 1], tools, special=special)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise TokenizeError(
+                f"chat template {template.name!r} renders a conversation's prefixes differently from the "
+                "whole; add {% generation %} markers around the assistant's output"
+            )
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for every token overlapping a span; one sweep, as both lists are in order."""
+    mask = [0] * len(offsets)
+    span = 0
+    for index, (start, end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        if end > spans[span][0]:
+            mask[index] = 1
+    return mask
+
+
+def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
+    """``(source, messages, tools)`` per line of a SpecForge-style conversations file."""
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                messages = record["conversations"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise TokenizeError(
+                    f"{path}:{number} is not a conversation record "
+                    "({{id, conversations: [...]}}); regenerate that file"
+                ) from None
+            yield record.get("source") or path.stem, messages, record.get("tools")
+
+
+class ShardWriter:
+    """Rows into ``shard-00000.parquet``, ``shard-00001.parquet``, … of ``shard_rows`` rows each."""
+
+    def __init__(self, folder: Path, shard_rows: int):
+        import pyarrow as pa
+
+        self.pa = pa
+        self.folder = folder
+        self.shard_rows = shard_rows
+        self.schema = pa.schema(
+            [
+                pa.field("input_ids", pa.list_(pa.int32())),
+                pa.field("loss_mask", pa.list_(pa.int8())),
+                pa.field("source", pa.string()),
+            ]
+        )
+        self.writer = None
+        self.in_shard = 0
+        self.shards = 0
+        self.rows = 0
+
+    def write(self, ids: list[list[int]], masks: list[list[int]], sources: list[str]) -> None:
+        import pyarrow.parquet as pq
+
+        pa = self.pa
+        start = 0
+        while start < len(ids):
+            if self.writer is None or self.in_shard >= self.shard_rows:
+                self.close()
+                name = self.folder / f"shard-{self.shards:05d}.parquet"
+                self.writer = pq.ParquetWriter(str(name), self.schema)
+                self.shards += 1
+                self.in_shard = 0
+            take = min(len(ids) - start, self.shard_rows - self.in_shard)
+            end = start + take
+            table = pa.table(
+                {
+                    "input_ids": pa.array(ids[start:end], pa.list_(pa.int32())),
+                    "loss_mask": pa.array(masks[start:end], pa.list_(pa.int8())),
+                    "source": pa.array(sources[start:end], pa.string()),
+                },
+                schema=self.schema,
+            )
+            self.writer.write_table(table)
+            self.in_shard += take
+            self.rows += take
+            start = end
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class Tokenizer:
+    """The target's tokenizer plus a chat template: conversations to (ids, mask)."""
+
+    def __init__(self, folder: Path, chat_template: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise TokenizeError(
+                f"cannot load a tokenizer from {folder} ({type(exc).__name__}); "
+                "pass the target model's folder with --tokenizer"
+            ) from None
+        if not self.hf.is_fast:
+            raise TokenizeError(f"the tokenizer in {folder} is not a fast tokenizer (no character offsets)")
+        self.backend = self.hf.backend_tokenizer
+        self.template = load_template(chat_template, self.hf)
+        self.special = dict(self.hf.special_tokens_map)
+        self.vocab_size = len(self.hf)
+
+    def encode_batch(
+        self, conversations: list[tuple[list[dict], Any]]
+    ) -> list[tuple[list[int], list[int]] | str]:
+        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
+        texts, spans, slots = [], [], []
+        out: list[tuple[list[int], list[int]] | str] = []
+        for messages, tools in conversations:
+            try:
+                text, found = assistant_spans(self.template, messages, tools, self.special)
+            except TokenizeError:
+                raise
+            except Exception:  # a message the template cannot render (wrong types, missing keys)
+                out.append("render_error")
+                continue
+            slots.append(len(out))
+            out.append("")
+            texts.append(text)
+            spans.append(found)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        for slot, encoding, found in zip(slots, encodings, spans, strict=True):
+            out[slot] = (encoding.ids, mask_from_offsets(encoding.offsets, found))
+        return out
+
+
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenize(
+    tokenizer_dir: Path,
+    conversations: list[Path],
+    tokenized: list[Path],
+    out_dir: Path | None = None,
+    *,
+    chat_template: str = "tokenizer",
+    max_length: int = DEFAULT_MAX_LENGTH,
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+) -> int:
+    """Run the step; returns the exit code."""
+    try:
+        missing = [str(p) for p in [*conversations, *tokenized] if not Path(p).is_file()]
+        if missing:
+            raise TokenizeError(
+                f"input file(s) {', '.join(missing)} do not exist; run the steps that make them"
+            )
+        if not conversations and not tokenized:
+            raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
+        encoder = Tokenizer(Path(tokenizer_dir), chat_template)
+    except TokenizeError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        return 2
+    step_dir = Path(out_dir) if out_dir else step_dir_from_env()
+    per_source: dict[str, Counts] = {}
+
+    def counts(source: str) -> Counts:
+        return per_source.setdefault(source, Counts())
+
+    def keep(source: str, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]] | None:
+        entry = counts(source)
+        entry.conversations += 1
+        if len(ids) > max_length:
+            ids, mask = ids[:max_length], mask[:max_length]
+            entry.truncated += 1
+        if not any(mask):
+            entry.rejected["no_assistant_tokens"] += 1
+            return None
+        entry.rows += 1
+        entry.tokens += len(ids)
+        entry.assistant_tokens += sum(mask)
+        return ids, mask
+
+    progress = Progress(
+        TextColumn("tokenize"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    try:
+        with progress, atomic_path(step_dir / SHARDS) as tmp:
+            tmp.mkdir()
+            writer = ShardWriter(tmp, shard_rows)
+            task = progress.add_task("conversations", total=None)
+            try:
+                for path in conversations:
+                    progress.update(task, description=str(path.name))
+                    for batch in _batches(read_conversations(path), BATCH):
+                        encoded = encoder.encode_batch([(m, t) for _, m, t in batch])
+                        rows = ([], [], [])
+                        for (source, _, _), result in zip(batch, encoded, strict=True):
+                            if isinstance(result, str):
+                                counts(source).conversations += 1
+                                counts(source).rejected[result] += 1
+                                continue
+                            kept = keep(source, *result)
+                            if kept:
+                                rows[0].append(kept[0])
+                                rows[1].append(kept[1])
+                                rows[2].append(source)
+                        writer.write(*rows)
+                        progress.advance(task, len(batch))
+                for path in tokenized:
+                    progress.update(task, description=str(path.name))
+                    _pass_through(path, encoder.vocab_size, keep, counts, writer)
+            finally:
+                writer.close()
+            if writer.rows == 0:
+                raise TokenizeError("no conversation produced a row with assistant tokens; see the counts")
+    except TokenizeError as exc:
+        _print_counts(per_source)
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        return 1
+    _print_counts(per_source)
+    totals = Counts()
+    for entry in per_source.values():
+        totals.conversations += entry.conversations
+        totals.rows += entry.rows
+        totals.tokens += entry.tokens
+        totals.assistant_tokens += entry.assistant_tokens
+        totals.truncated += entry.truncated
+        totals.rejected.update(entry.rejected)
+    write_manifest(
+        step_dir,
+        [SHARDS],
+        records={SHARDS: writer.rows},
+        stats={
+            "chat_template": encoder.template.name,
+            "mask_method": encoder.template.method,
+            "max_length": max_length,
+            "shards": writer.shards,
+            "totals": totals.as_stats(),
+            "sources": {name: c.as_stats() for name, c in sorted(per_source.items())},
+        },
+    )
+    console.print(
+        f"tokenize: {writer.rows} rows, {totals.tokens} tokens ({totals.assistant_tokens} assistant), "
+        f"{totals.truncated} truncated, {writer.shards} shard(s) -> {step_dir / SHARDS}"
+    )
+    return 0
+
+
+def _pass_through(path: Path, vocab_size: int, keep, counts, writer: ShardWriter) -> None:
+    """Pre-tokenized rows (``input_ids``, ``loss_mask``, ``source``): checked, truncated, kept."""
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(str(path)).iter_batches(columns=["input_ids", "loss_mask", "source"]):
+        rows = ([], [], [])
+        for ids, mask, source in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+            if ids and max(ids) >= vocab_size:
+                counts(source).conversations += 1
+                counts(source).rejected["id_out_of_vocab"] += 1
+                continue
+            kept = keep(source, ids, mask)
+            if kept:
+                rows[0].append(kept[0])
+                rows[1].append(kept[1])
+                rows[2].append(source)
+        writer.write(*rows)
+
+
+def _print_counts(per_source: dict[str, Counts]) -> None:
+    from rich.table import Table
+
+    table = Table(title="tokenize: per-source counts", title_justify="left")
+    for column in ("source", "conversations", "rows", "tokens", "assistant", "truncated", "rejected"):
+        table.add_column(column, justify="left" if column in ("source", "rejected") else "right")
+    for name, c in sorted(per_source.items()):
+        rejected = ", ".join(f"{k} {v}" for k, v in sorted(c.rejected.items())) or "-"
+        table.add_row(
+            name,
+            str(c.conversations),
+            str(c.rows),
+            str(c.tokens),
+            str(c.assistant_tokens),
+            str(c.truncated),
+            rejected,
+        )
+    console.print(table)

@@ -1,0 +1,167 @@
+"""Adapters by row shape: reasoning split, tool calls (OpenAI and hermes text), roles, rejections."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.steps.prep.adapters import (
+    Reject,
+    adapt_messages,
+    adapt_pairs,
+    adapt_sharegpt,
+    adapt_tokenized,
+    split_reasoning,
+)
+from pipeline.steps.prep.catalog import Source
+from pipeline.steps.prep.sources import conversation_record
+
+
+def source(fmt: str, **extra) -> Source:
+    return Source(name="s", data="x.jsonl", format=fmt, **extra)
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "answer"),
+    [
+        ("<think>\nstep 1\n</think>\n\nThe answer is 4.", "step 1", "The answer is 4."),
+        ("  <think>a</think>b", "a", "b"),
+        ("<think>\ncut off while thinking", "cut off while thinking", ""),
+        (
+            "<|begin_of_thought|>\n\nhmm\n\n<|end_of_thought|>\n\n<|begin_of_solution|>\n\n156\n\n"
+            "<|end_of_solution|>",
+            "hmm",
+            "156",
+        ),
+        (
+            "No reasoning here. <think>not a block</think>",
+            None,
+            "No reasoning here. <think>not a block</think>",
+        ),
+    ],
+)
+def test_split_reasoning(text, reasoning, answer):
+    assert split_reasoning(text) == (reasoning, answer)
+
+
+def test_messages_json_string_with_tool_calls_and_text_parts():
+    turns = [
+        {"role": "system", "content": [{"type": "text", "text": "sys"}]},
+        {"role": "user", "content": "fix it"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "looking"}],
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": {"c": 1}}}
+            ],
+        },
+        {"role": "tool", "content": "ok", "tool_call_ids": ["call_1"]},
+    ]
+    conv = adapt_messages({"messages": json.dumps(turns)}, source("messages"))
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool"]
+    assert conv.messages[0]["content"] == "sys"
+    call = conv.messages[2]["tool_calls"][0]
+    assert call == {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"c": 1}'}}
+    assert conv.messages[3] == {"role": "tool", "content": "ok", "tool_call_id": "call_1"}
+
+
+def test_sharegpt_hermes_tool_calls_become_structured():
+    row = {
+        "conversations": [
+            {"from": "human", "value": "disk?"},
+            {
+                "from": "gpt",
+                "value": "<think>\ncheck\n</think>\n\n"
+                '<tool_call>\n{"name": "terminal", "arguments": {"command": "df"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "terminal", "arguments": {"command": "du"}}\n</tool_call>',
+            },
+            {
+                "from": "tool",
+                "value": "<tool_response>\nA\n</tool_response>\n<tool_response>\nB\n</tool_response>",
+            },
+            {"from": "gpt", "value": "<think>done</think>\n\n468 GB free"},
+        ],
+        "tools": json.dumps([{"type": "function", "function": {"name": "terminal"}}]),
+    }
+    conv = adapt_sharegpt(row, source("sharegpt"))
+    first = conv.messages[1]
+    assert first["reasoning_content"] == "check" and first["content"] == ""
+    assert [c["id"] for c in first["tool_calls"]] == ["functions.terminal:0", "functions.terminal:1"]
+    assert first["tool_calls"][1]["function"]["arguments"] == '{"command": "du"}'
+    assert conv.messages[2] == {"role": "tool", "content": "A", "tool_call_id": "functions.terminal:0"}
+    assert conv.messages[3] == {"role": "tool", "content": "B", "tool_call_id": "functions.terminal:1"}
+    assert conv.messages[4] == {"role": "assistant", "content": "468 GB free", "reasoning_content": "done"}
+    assert conv.tools == [{"type": "function", "function": {"name": "terminal"}}]
+
+
+def test_sharegpt_top_level_system_and_role_map():
+    row = {"system": "be brief", "conversations": [{"from": "person", "value": "hi"}]}
+    conv = adapt_sharegpt(row, source("sharegpt", roles={"person": "user"}))
+    assert conv.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(Reject, match="unknown_role"):
+        adapt_sharegpt(row, source("sharegpt"))
+
+
+def test_broken_hermes_call_is_rejected():
+    row = {
+        "conversations": [
+            {"from": "human", "value": "x"},
+            {"from": "gpt", "value": "<tool_call>{bad</tool_call>"},
+        ]
+    }
+    with pytest.raises(Reject, match="bad_tool_call"):
+        adapt_sharegpt(row, source("sharegpt"))
+
+
+def test_pairs_with_field_overrides():
+    src = source("pairs", fields={"prompt": "question", "response": "answer"})
+    conv = adapt_pairs({"question": "2+2?", "answer": "4"}, src)
+    assert conv.messages == [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    with pytest.raises(Reject, match="missing_field"):
+        adapt_pairs({"input": "2+2?"}, src)
+
+
+def test_tokenized_rows_are_checked():
+    src = source("tokenized")
+    assert adapt_tokenized({"input_ids": [5, 6], "loss_mask": [0, 1]}, src).loss_mask == [0, 1]
+    with pytest.raises(Reject, match="mask_length_mismatch"):
+        adapt_tokenized({"input_ids": [5, 6], "loss_mask": [1]}, src)
+    with pytest.raises(Reject, match="no_assistant_tokens"):
+        adapt_tokenized({"input_ids": [5, 6], "loss_mask": [0, 0]}, src)
+
+
+def test_prompt_records_end_before_the_answer_and_ids_are_stable():
+    src = source("messages")
+    row = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ]
+    }
+    key, record = conversation_record(adapt_messages(row, src), src)
+    assert [m["content"] for m in record["messages"]] == ["a", "b", "c"]
+    again = conversation_record(adapt_messages(row, src), src)
+    renamed = src.model_copy(update={"name": "t"})
+    other = conversation_record(adapt_messages(row, renamed), renamed)
+    assert again == (key, record)
+    assert other[1]["id"] != record["id"]  # the id names the source ...
+    assert other[0] == key  # ... the dedup key does not, so duplicates are found across sources
+
+
+def test_native_records_keep_the_answer_and_need_one():
+    src = source("messages", native=True)
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert conversation_record(adapt_messages(row, src), src)[1]["conversations"][-1]["content"] == "a"
+    with pytest.raises(Reject, match="no_assistant_turn"):
+        conversation_record(adapt_messages({"messages": row["messages"][:1]}, src), src)
+
+
+def test_length_filters():
+    row = {"messages": [{"role": "user", "content": "x" * 50}]}
+    with pytest.raises(Reject, match="too_long"):
+        conversation_record(adapt_messages(row, source("messages")), source("messages", max_chars=10))
+    with pytest.raises(Reject, match="too_short"):
+        conversation_record(adapt_messages(row, source("messages")), source("messages", min_chars=100))

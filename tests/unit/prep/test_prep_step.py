@@ -1,0 +1,143 @@
+"""`eyrie prep` as a step: the default catalog on its samples, counts, dedup, quotas, seeds, failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from pipeline.run.manifest import check_manifest, read_manifest
+from pipeline.steps.prep.catalog import load_catalog
+from pipeline.steps.prep.prep import OUTPUTS, plan_workers, prep
+
+SAMPLES = Path(__file__).resolve().parents[3] / "pipeline" / "embedded" / "samples"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def write_catalog(tmp_path: Path, sources: list[dict], **extra) -> Path:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump({"sources": sources, **extra}), encoding="utf-8")
+    return path
+
+
+def test_default_catalog_offline_gives_records_from_every_source(prepped):
+    ok, why = check_manifest(prepped, OUTPUTS)
+    assert ok, why
+    manifest = read_manifest(prepped)
+    stats = manifest.stats["sources"]
+    assert len(stats) == 10 and all(s["accepted"] > 0 and s["error"] is None for s in stats.values())
+    for name, s in stats.items():  # every row read is accounted for exactly once
+        assert s["read"] == s["accepted"] + s["duplicates"] + sum(s["rejected"].values()), name
+    # the awkward rows of the samples are rejected under their reasons, not silently
+    assert stats["swe_smith_trajectories"]["rejected"] == {"bad_json": 1}
+    assert stats["hermes_agent_kimi"]["rejected"] == {"bad_tool_call": 1, "no_assistant_turn": 1}
+    assert stats["sharegpt_vicuna"]["rejected"] == {"empty_prompt": 2}
+
+    prompts = lines(prepped / "prompts.jsonl")
+    native = lines(prepped / "native.jsonl")
+    by_kind = {"prompts": prompts, "native": native}
+    for name, s in stats.items():
+        if s["kind"] in by_kind:
+            assert sum(r["source"] == name for r in by_kind[s["kind"]]) == s["accepted"], name
+    assert len({r["id"] for r in prompts + native}) == len(prompts) + len(native)
+    assert all(r["messages"][-1]["role"] in ("user", "tool") for r in prompts)
+    assert all(r["conversations"][-1]["role"] == "assistant" for r in native)
+    assert manifest.outputs["prompts.jsonl"]["."].records == len(prompts)
+    tokenized = pq.read_table(prepped / "native_tokenized.parquet")
+    assert tokenized.num_rows == stats["native_tokenized"]["accepted"] == 24
+    assert tokenized.column_names == ["input_ids", "loss_mask", "source"]
+    # reasoning and tool calls come out structured
+    hermes = [r for r in native if r["source"] == "hermes_agent_kimi"]
+    assert all("<think>" not in m["content"] for r in hermes for m in r["conversations"])
+    assert any(m.get("tool_calls") for r in hermes for m in r["conversations"])
+    assert any(r["tools"] for r in hermes)
+
+
+def test_same_seed_same_bytes_other_seed_other_order(prepped, tmp_path):
+    again, other = tmp_path / "again", tmp_path / "other"
+    assert prep(None, again, offline=True) == 0
+    assert prep(None, other, offline=True, seed=7) == 0
+    assert (again / "prompts.jsonl").read_bytes() == (prepped / "prompts.jsonl").read_bytes()
+    first, shuffled = lines(prepped / "prompts.jsonl"), lines(other / "prompts.jsonl")
+    assert [r["id"] for r in first] != [r["id"] for r in shuffled]
+    assert sorted(r["id"] for r in first) == sorted(r["id"] for r in shuffled)
+
+
+def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
+    catalog = write_catalog(
+        tmp_path,
+        [
+            {"name": "good", "data": str(SAMPLES / "ultrachat_200k.jsonl"), "format": "messages"},
+            {"name": "math", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "messages"},
+        ],
+    )
+    out = tmp_path / "out"
+    assert prep(catalog, out) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "source 'math': the first 30 rows gave no record with adapter 'messages'" in err
+    assert "rows have keys [answer, question]" in err and "expects 'messages'" in err
+    assert "missing_field 30" in err
+    assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json"])
+
+
+def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(500)))
+    catalog = write_catalog(tmp_path, [{"name": "wide", "data": str(rows), "format": "sharegpt"}])
+    assert prep(catalog, tmp_path / "out") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the first 100 rows gave no record with adapter 'sharegpt'" in err
+    assert "expects 'conversations' (a list of {from, value})" in err
+
+
+def test_turn_keys_of_the_wrong_shape_are_named(tmp_path, capsys):
+    catalog = write_catalog(
+        tmp_path, [{"name": "sg", "data": str(SAMPLES / "sharegpt_vicuna.json"), "format": "messages",
+                    "fields": {"messages": "conversations"}}],
+    )  # fmt: skip
+    assert prep(catalog, tmp_path / "out") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "turns have {from, value}" in err and "(a list of {role, content})" in err
+
+
+def test_quota_and_cross_source_dedup(tmp_path):
+    gsm = {"data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs"}
+    fields = {"fields": {"prompt": "question", "response": "answer"}}
+    catalog = write_catalog(
+        tmp_path, [{"name": "first", **gsm, **fields}, {"name": "again", "quota": 5, **gsm, **fields}]
+    )
+    out = tmp_path / "out"
+    assert prep(catalog, out) == 0
+    stats = read_manifest(out).stats["sources"]
+    assert stats["first"]["accepted"] == 30
+    assert (
+        stats["again"]["read"] == 5 and stats["again"]["accepted"] == 0 and stats["again"]["duplicates"] == 5
+    )
+    assert len(lines(out / "prompts.jsonl")) == 30
+
+
+def test_offline_without_a_local_file_is_refused_before_any_work(tmp_path, capsys):
+    catalog = write_catalog(tmp_path, [{"name": "hub", "data": "openai/gsm8k", "format": "pairs"}])
+    assert prep(catalog, tmp_path / "out", offline=True) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "source 'hub': --offline needs a local file" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_workers_fit_the_memory_budget():
+    assert plan_workers(10, 1 << 60, None)[0] == 1  # one worker needs more than there is: run one at a time
+    workers, facts = plan_workers(10, 1, None)
+    assert workers == min(10, facts["cpus"]) and facts["budget_available"] > 0
+    assert plan_workers(10, 1, 1)[0] == 1
+
+
+def test_default_catalog_lists_ten_sources_with_samples():
+    catalog = load_catalog()
+    assert len(catalog.sources) == 10
+    for source in catalog.sources:
+        assert Path(source.location(catalog.base, offline=True)).is_file(), source.name

@@ -1,0 +1,113 @@
+"""`eyrie tokenize` as a step: shards with a manifest, per-source counts, truncation, clear refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.run.manifest import check_manifest, read_manifest
+from pipeline.steps.prep.tokenize import tokenize
+
+
+def shards(out: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted((out / "shards").glob("shard-*.parquet")))
+
+
+@pytest.fixture(scope="module")
+def answered(prepped, tmp_path_factory) -> Path:
+    """Prep's prompts with an answer appended, as the generate step writes conversations.jsonl."""
+    path = tmp_path_factory.mktemp("generate") / "conversations.jsonl"
+    with open(path, "w", encoding="utf-8") as out:
+        for line in (prepped / "prompts.jsonl").read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            answer = {
+                "role": "assistant",
+                "content": "Here is a short answer.",
+                "reasoning_content": "Think.",
+            }
+            record = {"id": row["id"], "source": row["source"], "conversations": [*row["messages"], answer]}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
+    out = tmp_path / "tok"
+    inputs = [answered, prepped / "native.jsonl"]
+    assert tokenize(tiny_tokenizer, inputs, [prepped / "native_tokenized.parquet"], out, shard_rows=100) == 0
+    ok, why = check_manifest(out, ["shards"])
+    assert ok, why
+    manifest = read_manifest(out)
+    table = shards(out)
+    prompts = len((prepped / "prompts.jsonl").read_text().splitlines())
+    native = len((prepped / "native.jsonl").read_text().splitlines())
+    assert table.num_rows == manifest.records() == prompts + native + 24
+    assert (
+        len(list((out / "shards").glob("shard-*.parquet")))
+        == manifest.stats["shards"]
+        == -(-table.num_rows // 100)
+    )
+    stats = manifest.stats
+    assert stats["mask_method"] == "prefix_render" and stats["chat_template"] == "tokenizer"
+    assert set(stats["sources"]) == set(table.column("source").to_pylist())
+    assert len(stats["sources"]) == 10
+    assert stats["totals"]["tokens"] == sum(len(x) for x in table.column("input_ids").to_pylist())
+    assert stats["totals"]["assistant_tokens"] == sum(sum(x) for x in table.column("loss_mask").to_pylist())
+    for ids, mask in zip(
+        table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True
+    ):
+        assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+
+
+def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
+    out = tmp_path / "tok"
+    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out, max_length=600) == 0
+    stats = read_manifest(out).stats["totals"]
+    lengths = [len(x) for x in shards(out).column("input_ids").to_pylist()]
+    assert max(lengths) == 600 and stats["truncated"] >= sum(n == 600 for n in lengths) > 0
+
+
+def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tmp_path):
+    rows = tmp_path / "native_tokenized.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "input_ids": [[1, 2, 3], [1, 10**6, 3]],
+                "loss_mask": [[0, 1, 1], [0, 1, 1]],
+                "source": ["a", "a"],
+            }
+        ),
+        rows,
+    )
+    out = tmp_path / "tok"
+    assert tokenize(tiny_tokenizer, [], [rows], out) == 0
+    assert read_manifest(out).stats["sources"]["a"]["rejected"] == {"id_out_of_vocab": 1}
+    assert shards(out).num_rows == 1
+
+
+def test_kimi_template_on_a_tokenizer_without_its_tokens_is_refused(prepped, tiny_tokenizer, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "tokenize", "--tokenizer", str(tiny_tokenizer),
+         "--conversations", str(prepped / "native.jsonl"), "--chat-template", "kimi-k2",
+         "--out-dir", str(tmp_path / "tok")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    err = " ".join(result.stderr.split())
+    assert "chat template 'kimi-k2' writes <|im_assistant|>" in err and "does not have as tokens" in err
+    assert not (tmp_path / "tok" / "shards").exists()
+
+
+def test_missing_inputs_and_bad_records_are_one_line_errors(tiny_tokenizer, tmp_path, capsys):
+    assert tokenize(tiny_tokenizer, [tmp_path / "nope.jsonl"], [], tmp_path / "a") == 2
+    assert "nope.jsonl do not exist" in capsys.readouterr().err
+    bad = tmp_path / "conversations.jsonl"
+    bad.write_text('{"id": "x", "messages": []}\n')
+    assert tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == 1
+    assert f"{bad}:1 is not a conversation record" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "b" / "shards").exists() and not (tmp_path / "b" / "manifest.json").exists()
