@@ -229,5 +229,19 @@ def build_flash_attn(
     )
 
 
+embedded_app = typer.Typer(help="The embedded default: the tiny target and its data.", no_args_is_help=True)
+app.add_typer(embedded_app, name="embedded")
+
+
+@embedded_app.command("target")
+def embedded_target(
+    out: Annotated[Path, typer.Option(help="Folder for the model and tokenizer.")] = Path("model"),
+) -> None:
+    """Write the tiny target (a small Llama and its BPE tokenizer, made from the bundled samples)."""
+    from pipeline.embedded.tiny import target_command
+
+    raise typer.Exit(target_command(out))
+
+
 if __name__ == "__main__":
     app()
