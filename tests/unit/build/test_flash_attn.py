@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.build.flash_attn import (
+    BuildError,
+    Plan,
+    Toolchain,
+    archs_for_compute_caps,
+    auto_threads,
+    build_env,
+    cached_wheel,
+    check_budget,
+    cuda_sources,
+    gpu_archs,
+    parse_archs,
+    source_version,
+)
+from pipeline.build.profile import Profile, ProfileEntry
+
+GiB = 2**30
+SETUP_PY = '''
+ext_modules.append(CUDAExtension(name="flash_attn_2_cuda", sources=[
+    "csrc/flash_attn/flash_api.cpp",
+    "csrc/flash_attn/src/flash_fwd_hdim32_fp16_sm80.cu",
+    "csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm80.cu",
+]))
+'''
+
+
+def tree(tmp_path: Path) -> Path:
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text('__version__ = "2.8.3"\n')
+    (tmp_path / "setup.py").write_text(SETUP_PY)
+    return tmp_path
+
+
+def plan(source: Path, budget: int, archs=("120",), threads=1) -> Plan:
+    tools = Toolchain("python3", "2.13.0", "13.0", Path("/usr/local/cuda-13.0"), "13.0")
+    return Plan("2.8.3", source, archs, threads, budget, "test", tools, cpu_slots=2)
+
+
+def test_compute_capabilities_map_to_flash_attn_archs() -> None:
+    assert archs_for_compute_caps(["12.0", "10.0", "12.0"]) == ("100", "120")
+    assert archs_for_compute_caps(["8.6", "9.0"]) == ("80", "90")
+    with pytest.raises(BuildError, match="compute capability 7.5"):
+        archs_for_compute_caps(["7.5"])
+
+
+def test_auto_archs_without_gpus_asks_for_archs() -> None:
+    with pytest.raises(BuildError, match=r"pass the archs, e.g. --archs '100;120'"):
+        gpu_archs("/nonexistent/nvidia-smi")
+
+
+def test_explicit_archs_are_checked() -> None:
+    assert parse_archs("120;100") == ("100", "120")
+    with pytest.raises(BuildError, match="flash-attn builds only 80;90;100;120"):
+        parse_archs("75")
+
+
+def test_sources_and_version_come_from_the_real_setup_files(tmp_path: Path) -> None:
+    src = tree(tmp_path)
+    assert cuda_sources(src) == ["flash_bwd_hdim128_bf16_sm80.cu", "flash_fwd_hdim32_fp16_sm80.cu"]
+    assert source_version(src) == "2.8.3"
+
+
+def test_cache_key_names_every_version_that_changes_the_wheel(tmp_path: Path) -> None:
+    key = plan(tmp_path, GiB, archs=("100", "120")).cache_key
+    assert key == "flash_attn-2.8.3-torch2.13.0-cuda13.0-nvcc13.0-sm100_120"
+    assert cached_wheel(tmp_path, key) is None
+    (tmp_path / key).mkdir()
+    (tmp_path / key / "flash_attn-2.8.3-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+    assert cached_wheel(tmp_path, key).name.startswith("flash_attn-2.8.3")
+
+
+def test_a_budget_below_the_largest_measured_job_is_refused_up_front(tmp_path: Path) -> None:
+    src = tree(tmp_path)
+    profile = Profile([ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0",
+                                    anon_peak_bytes=6 * GiB, wall_s=120)], default_peak=8 * GiB)  # fmt: skip
+    check_budget(plan(src, 7 * GiB), profile, cuda_sources(src))
+    with pytest.raises(BuildError, match=r"flash_bwd_hdim128_bf16_sm80.cu needs 6.00 GiB"):
+        check_budget(plan(src, 5 * GiB), profile, cuda_sources(src))
+    # Two archs at --threads 2 hold both per-arch compiles at once: 12 GiB.
+    with pytest.raises(BuildError, match=r"needs 12.00 GiB for sm 100;120 with --threads 2"):
+        check_budget(plan(src, 10 * GiB, ("100", "120"), 2), profile, cuda_sources(src))
+
+
+def test_auto_threads_spends_memory_on_threads_only_when_it_is_plentiful() -> None:
+    assert auto_threads(("100", "120"), budget=432 * GiB, cpus=128, per_arch_peak=8 * GiB) == 1
+    assert auto_threads(("100", "120"), budget=432 * GiB, cpus=32, per_arch_peak=8 * GiB) == 2
+    assert auto_threads(("120",), budget=12 * GiB, cpus=2, per_arch_peak=8 * GiB) == 1
+
+
+def test_build_env_keeps_flash_attns_limiter_out_and_sends_nvcc_to_the_broker(tmp_path: Path) -> None:
+    env = build_env(plan(tmp_path, GiB, ("100", "120"), 2), {"PYTORCH_NVCC": "wrapper"}, lookahead=8)
+    assert env["MAX_JOBS"] == "8" and env["PYTORCH_NVCC"] == "wrapper"
+    assert env["FLASH_ATTN_CUDA_ARCHS"] == "100;120" and env["NVCC_THREADS"] == "2"
+    assert env["FLASH_ATTENTION_FORCE_BUILD"] == "TRUE"
