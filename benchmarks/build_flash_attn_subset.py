@@ -1,0 +1,137 @@
+"""Benchmark 1: real flash-attn translation units, one arch, under a budget naive parallelism exceeds.
+
+In one run, the same subset of flash-attn 2.8.3's .cu files is compiled with
+the nvcc flags its real setup.py gives torch's ninja file:
+
+- ``ninja -j N`` (fixed MAX_JOBS = N) with the real nvcc, the whole ninja run in
+  one cgroup limited to the budget — what a container with that memory does;
+- eyrie's scheduler: the same ninja file with the broker's nvcc stand-in,
+  every job in its own cgroup under a build cgroup limited to the budget,
+  predictions from the shipped profiles.
+
+For each: OOM kills, whether the build completed, and wall time.
+
+Run (about 30–60 min on 2 cores):
+  python benchmarks/build_flash_attn_subset.py --source DIR [--budget 12GiB] [--max-jobs 1,2,3]
+DIR is an unpacked flash-attn 2.8.3 sdist (``pip download --no-deps --no-binary :all:
+flash-attn==2.8.3`` with FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE, then untar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.build.broker import BuildBroker
+from pipeline.build.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH
+from pipeline.build.profile import SHIPPED_PROFILES, Profile
+from pipeline.build.subset import (
+    setup_ninja_variables,
+    torch_header_shim,
+    with_torch_headers_of,
+    write_subset_ninja,
+)
+from pipeline.memory import parse_size, step_parent
+from pipeline.run.executor import Launch
+from pipeline.run.local import LocalExecutor
+
+DEFAULT_FILES = [
+    "flash_bwd_hdim128_bf16_sm80.cu",
+    "flash_bwd_hdim64_bf16_sm80.cu",
+    "flash_fwd_hdim128_bf16_sm80.cu",
+    "flash_fwd_split_hdim128_bf16_sm80.cu",
+]
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda-13.0"))
+
+
+def run_fixed(max_jobs: int, budget: int, work: Path, **ninja_args) -> dict:
+    build = work / f"fixed-{max_jobs}"
+    write_subset_ninja(build, str(CUDA_HOME / "bin" / "nvcc"), **ninja_args)
+    started = time.time()
+    attempt = LocalExecutor(parent=step_parent()).start(Launch(
+        run_id="bench", step=f"ninja-j{max_jobs}-{work.name}", attempt=1,
+        argv=["ninja", "-j", str(max_jobs)], cwd=build, env={"PATH": os.environ["PATH"]},
+        limit_bytes=budget, stdout_path=work / f"fixed-{max_jobs}.out",
+        stderr_path=work / f"fixed-{max_jobs}.err",
+    ))  # fmt: skip
+    outcome = attempt.wait()
+    return {"strategy": f"MAX_JOBS={max_jobs}", "oom_kills": outcome.oom_kills,
+            "completed": outcome.exit_code == 0, "wall_s": round(time.time() - started, 1),
+            "peak_bytes": outcome.peak_bytes}  # fmt: skip
+
+
+def run_scheduler(budget: int, cpus: int, work: Path, run_dir: Path, **ninja_args) -> dict:
+    build = work / "scheduler"
+    profile = Profile.load([SHIPPED_PROFILES], default_peak=DEFAULT_JOB_PEAK_PER_ARCH)
+    started = time.time()
+    with BuildBroker(nvcc=str(CUDA_HOME / "bin" / "nvcc"), nvcc_version=_nvcc_version(),
+                     profile=profile, budget=budget, cpu_slots=cpus, run_dir=run_dir) as broker:  # fmt: skip
+        write_subset_ninja(build, broker.env()["PYTORCH_NVCC"], **ninja_args)
+        done = subprocess.run(["ninja", "-j", "8"], cwd=build, env={**os.environ, **broker.env()},
+                              capture_output=True, text=True)  # fmt: skip
+    report = broker.report()
+    return {"strategy": "eyrie scheduler", "oom_kills": report.oom_kills,
+            "completed": done.returncode == 0, "wall_s": round(time.time() - started, 1),
+            "peak_reserved": report.peak_reserved,
+            "jobs": {j.name: {"anon_peak": j.anon_peak, "wall_s": round(j.wall_s or 0, 1),
+                              "verdicts": j.verdicts} for j in report.jobs}}  # fmt: skip
+
+
+def _nvcc_version() -> str:
+    out = subprocess.run([str(CUDA_HOME / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
+    return out.stdout.split("release ")[1].split(",")[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=Path, required=True)
+    parser.add_argument("--files", default=",".join(DEFAULT_FILES))
+    parser.add_argument("--budget", default="12GiB")
+    parser.add_argument("--max-jobs", default="1,2,3")
+    parser.add_argument("--arch", default="120")
+    parser.add_argument("--python", default=sys.executable, help="a Python with a CUDA build of torch")
+    parser.add_argument("--headers-python", default=None, help="a Python whose torch headers to compile with")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("/var/tmp/eyrie-bench-subset-run"),
+        help="the scheduler's ledger (eyrie status --run-dir)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/build_flash_attn_subset.json"))
+    args = parser.parse_args()
+    budget = parse_size(args.budget)
+    files = args.files.split(",")
+    cpus = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="eyrie-bench-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        variables = setup_ninja_variables(args.source.resolve(), args.python, CUDA_HOME, args.arch, 1, work)
+        headers = args.headers_python or args.python
+        variables = with_torch_headers_of(variables, args.python, headers)
+        ninja_args = {"variables": variables, "source": args.source.resolve(), "files": files,
+                      "extra_include": torch_header_shim(headers, work)}  # fmt: skip
+        results = [run_scheduler(budget, cpus, work, args.run_dir, **ninja_args)]
+        print(json.dumps(results[-1]), flush=True)
+        for max_jobs in [int(j) for j in args.max_jobs.split(",")]:
+            results.append(run_fixed(max_jobs, budget, work, **ninja_args))
+            print(json.dumps(results[-1]), flush=True)
+        flags = shlex.split(variables["cuda_post_cflags"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"files": files, "budget": budget, "cpus": cpus, "arch": args.arch,
+                                    "nvcc_flags": flags, "results": results}, indent=1) + "\n")  # fmt: skip
+    print("| strategy | OOM kills | completed | wall |\n|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['strategy']} | {r['oom_kills']} | {'yes' if r['completed'] else 'no'} | "
+            f"{r['wall_s'] / 60:.1f} min |"
+        )
+
+
+if __name__ == "__main__":
+    main()

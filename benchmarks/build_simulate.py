@@ -1,0 +1,146 @@
+"""Benchmark 2: the flash-attn incident replayed at its scale, from measured profiles.
+
+The incident: 128 cores, 432 GB, flash-attn 2.8.3 for archs 100;120 with
+nvcc --threads 4, OOM-killed at MAX_JOBS 128, 64, 48, 32; passed at 20 in ~10 min.
+
+Inputs are the per-file profiles measured here (nvcc 13.0, sm_120 alone,
+--threads 1; ``pipeline/build/profiles/``): anonymous peak, wall time and the
+memory shape over time. A file not measured takes the measurement of the same
+kind (fwd / fwd_split / bwd) with the nearest head dimension. Scaling to the
+incident's jobs (two archs, --threads 4), two models, both reported:
+
+- ``archs``: nvcc's --threads runs the archs of one file in parallel, so a job
+  holds min(threads, archs) = 2 per-arch compiles at once: peak × 2, time × 1.
+  (Measured here: bwd hdim128 for 100;120 with --threads 2 peaks at ~12 GiB,
+  2× its one-arch peak.)
+- ``threads``: the incident's own report, "3–5.5 GB per nvcc thread": peak ×
+  threads = × 4, time × 1.
+
+Time: a job's wall time here is scaled by one factor chosen so that MAX_JOBS=20
+takes 10 minutes, as in the incident (CPU speed and contention differ); the
+ranking of the strategies does not depend on it. Each job uses min(threads,
+archs) cores; above 128 busy threads every job slows evenly.
+
+Run: python benchmarks/build_simulate.py [--model archs|threads|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+from pipeline.build.profile import SAFETY_MARGIN, SHIPPED_PROFILES, Profile, ProfileEntry
+from pipeline.build.simulate import SimJob, simulate_fixed, simulate_scheduler
+
+CORES = 128
+MEMORY = 432 * 10**9
+HEADROOM = 8 * 2**30  # eyrie's --headroom on the incident host: setup.py, ninja, the link
+ARCHS, THREADS = 2, 4
+INCIDENT_MINUTES_AT_20 = 10.0
+HDIMS = (32, 64, 96, 128, 192, 256)
+
+
+def flash_attn_sources() -> list[str]:
+    """flash-attn 2.8.3's 72 .cu files in the order its ninja file lists them (sorted)."""
+    names = []
+    for kind in ("bwd", "fwd", "fwd_split"):
+        for hdim in HDIMS:
+            for dtype in ("bf16", "fp16"):
+                for causal in ("_causal", ""):
+                    names.append(f"flash_{kind}_hdim{hdim}_{dtype}{causal}_sm80.cu")
+    return sorted(names)
+
+
+def _kind_hdim(name: str) -> tuple[str, int]:
+    match = re.match(r"flash_(bwd|fwd_split|fwd)_hdim(\d+)_", name)
+    assert match, name
+    return match.group(1), int(match.group(2))
+
+
+def measured_for(name: str, entries: list[ProfileEntry]) -> ProfileEntry:
+    by_source = {e.source: e for e in entries}
+    if name in by_source:
+        return by_source[name]
+    kind, hdim = _kind_hdim(name)
+    same_kind = [e for e in entries if _kind_hdim(e.source)[0] == kind]
+    if not same_kind:
+        raise SystemExit(f"no measured profile of a {kind} file: measure one first")
+    return min(same_kind, key=lambda e: (abs(_kind_hdim(e.source)[1] - hdim), e.source))
+
+
+def jobs_for(model: str, entries: list[ProfileEntry], time_scale: float) -> list[SimJob]:
+    in_flight = min(THREADS, ARCHS)
+    factor = in_flight if model == "archs" else THREADS
+    waves = math.ceil(ARCHS / in_flight)
+    jobs = []
+    for name in flash_attn_sources():
+        m = measured_for(name, entries)
+        peak = m.anon_peak_bytes * factor
+        jobs.append(SimJob(
+            name, peak, m.wall_s * waves * time_scale, tuple(m.shape or [1.0]), threads=in_flight,
+            predicted=math.ceil(peak * SAFETY_MARGIN),
+        ))  # fmt: skip
+    return jobs
+
+
+def run(model: str, entries: list[ProfileEntry]) -> list[str]:
+    base = simulate_fixed(jobs_for(model, entries, 1.0), 20, cores=CORES, memory=2**62)
+    scale = INCIDENT_MINUTES_AT_20 * 60 / base.makespan
+    jobs = jobs_for(model, entries, scale)
+    peaks = sorted(j.peak for j in jobs)
+    lines = [
+        f"### model `{model}`: job peaks {peaks[0] / 1e9:.1f}–{peaks[-1] / 1e9:.1f} GB, "
+        f"time scale ×{scale:.2f}",
+        "",
+        "| strategy | OOM | makespan | jobs done before OOM | peak memory | max parallel |",
+        "|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for max_jobs in range(1, 73):
+        results[max_jobs] = simulate_fixed(jobs, max_jobs, cores=CORES, memory=MEMORY)
+    surviving = [j for j, r in results.items() if r.makespan is not None]
+    best = min(surviving, key=lambda j: results[j].makespan) if surviving else None
+    shown = sorted({128, 64, 48, 32, 24, 20, 16, *([best] if best else [])}, reverse=True)
+    for max_jobs in shown:
+        r = results.get(max_jobs) or simulate_fixed(jobs, max_jobs, cores=CORES, memory=MEMORY)
+        label = f"MAX_JOBS={max_jobs}" + (" (best fixed)" if max_jobs == best else "")
+        lines.append(_row(label, r))
+    sched = simulate_scheduler(jobs, budget=MEMORY - HEADROOM, cores=CORES, memory=MEMORY)
+    lines.append(_row("eyrie scheduler", sched))
+    lines.append("")
+    if sched.makespan and best:
+        lines.append(
+            f"scheduler / best fixed (MAX_JOBS={best}): {sched.makespan / results[best].makespan:.2f}×; "
+            f"scheduler / MAX_JOBS=20: {sched.makespan / results[20].makespan:.2f}×"
+            if results[20].makespan else ""
+        )  # fmt: skip
+    return lines
+
+
+def _row(label: str, r) -> str:
+    oom = f"yes, at {r.oom_at / 60:.1f} min" if r.oom_at is not None else "no"
+    makespan = f"{r.makespan / 60:.1f} min" if r.makespan is not None else "—"
+    done = str(r.done_before_oom) if r.oom_at is not None else "72"
+    return f"| {label} | {oom} | {makespan} | {done} | {r.peak_memory / 1e9:.0f} GB | {r.max_parallel} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["archs", "threads", "both"], default="both")
+    parser.add_argument("--profiles", type=Path, default=SHIPPED_PROFILES)
+    args = parser.parse_args()
+    profile = Profile.load([args.profiles], default_peak=1)
+    entries = [e for e in profile.entries() if e.archs == ["120"] and e.threads == 1]
+    print(
+        f"{len(entries)} measured files (sm_120, --threads 1): "
+        + ", ".join(f"{e.source} {e.anon_peak_bytes / 2**30:.2f} GiB {e.wall_s:.0f} s" for e in entries)
+    )
+    for model in ["archs", "threads"] if args.model == "both" else [args.model]:
+        print()
+        print("\n".join(run(model, entries)))
+
+
+if __name__ == "__main__":
+    main()
