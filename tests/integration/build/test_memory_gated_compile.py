@@ -138,3 +138,24 @@ def test_a_budget_below_one_job_fails_the_build_with_the_numbers(tmp_path: Path)
     assert done.returncode != 0
     assert "OOM-killed holding the whole budget of 0.29 GiB" in done.stdout + done.stderr
     assert not (build / "big_a.o").exists()
+
+
+def test_without_cgroups_jobs_run_as_processes_with_peaks_from_proc(tmp_path: Path, monkeypatch) -> None:
+    """Inside `docker build` no cgroup can be created: admission still works, peaks come from /proc."""
+    import pipeline.build.broker as broker_module
+    from pipeline.memory import CgroupError
+
+    def read_only_cgroups():
+        raise CgroupError("cannot create cgroup: read-only file system")
+
+    monkeypatch.setattr(broker_module, "step_parent", read_only_cgroups)
+    build = tmp_path / "build"
+    build.mkdir()
+    with broker_for(tmp_path, Profile(default_peak=GiB)) as broker:
+        assert broker.cgroup is None and "no cgroup can be created here" in broker.confinement
+        write_ninja(build, broker.env()["PYTORCH_NVCC"], ["small_a.cu", "small_b.cu"])
+        done = ninja(build, broker.env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = Ledger(tmp_path / "run", create=False).attempts()
+    assert {r.executor for r in rows} == {"unconfined"} and {r.verdict for r in rows} == {"succeeded"}
+    assert all(r.anon_peak_bytes > 100 * 2**20 for r in rows)  # cicc's front end at least
