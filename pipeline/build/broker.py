@@ -158,14 +158,18 @@ class BuildBroker:
         name = "nvcc " + Path(source).name
         with self._lock:
             record = self.records.setdefault(name, JobRecord(name, key))
+        if self.fatal:
+            return {"exit": 1, "stdout": "", "stderr": f"eyrie build: not compiled: {self.fatal}\n"}
         prediction = self.profile.predict(key)
         job = Job(name, prediction.peak_bytes, slots=key.archs_in_flight, basis=prediction.basis, key=key)
         self.scheduler.submit(job)
         while True:
             job.admitted.wait()
             if self.fatal:
+                # ninja starts nothing after a failure but waits for what it started: the
+                # stand-ins still waiting here end at once instead of compiling for nothing.
                 self.scheduler.release(job)
-                return {"exit": 1, "stderr": f"eyrie build: {self.fatal}\n"}
+                return {"exit": 1, "stdout": "", "stderr": f"eyrie build: not compiled: {self.fatal}\n"}
             outcome, decision, output = self._run(job, argv, request, record)
             if decision.verdict in MEMORY_VERDICTS:
                 observed = max(outcome.peak_bytes or 0, outcome.anon_peak_bytes or 0)
@@ -178,6 +182,9 @@ class BuildBroker:
                 continue
             if outcome.exit_code == 0 and outcome.anon_peak_bytes:
                 self.profile.observe(key, outcome.anon_peak_bytes, record.wall_s or 0.0, outcome.timeline)
+            if outcome.exit_code != 0 and self.fatal is None:
+                self.fatal = f"{name} failed first: {_first_error(output[1]) or decision.reason}"
+                self.scheduler.abort()
             self.scheduler.release(job, self._repredict)
             exit_code = outcome.exit_code if outcome.exit_code is not None else 128 + (outcome.signal or 0)
             return {"exit": exit_code, "stdout": output[0], "stderr": output[1]}
@@ -234,6 +241,13 @@ def _output_of(argv: list[str], cwd: Path) -> Path | None:
     for i, arg in enumerate(argv[:-1]):
         if arg == "-o":
             return cwd / argv[i + 1]
+    return None
+
+
+def _first_error(stderr: str) -> str | None:
+    for line in stderr.splitlines():
+        if "error" in line.lower():
+            return line.strip()[:300]
     return None
 
 
