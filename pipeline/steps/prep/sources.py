@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import re
 import resource
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from pipeline.steps.prep.adapters import (
 from pipeline.steps.prep.catalog import LOCAL_SUFFIXES, Source
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_SPACE_RE = re.compile(r"\s+")
 TOKENIZED_BATCH = 1024
 
 
@@ -100,10 +98,6 @@ def open_rows(location: str, source: Source):
     return datasets.load_dataset(location, name=source.config, split=source.split, streaming=True)
 
 
-def _normalized(value: Any) -> str:
-    return _SPACE_RE.sub(" ", json.dumps(value, ensure_ascii=False, sort_keys=True).lower())
-
-
 def _is_empty(message: dict) -> bool:
     return not (
         message.get("content", "").strip() or message.get("reasoning_content") or message.get("tool_calls")
@@ -118,14 +112,18 @@ def _chars(messages: list[dict]) -> int:
     return total
 
 
-def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict]:
-    """``(dedup key, record)``: a prompt (ends before the answer) or, for native sources, a conversation."""
+def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict, str]:
+    """``(dedup key, record, record as a JSON line)``: a prompt (ends before the answer) or, for native
+    sources, a conversation. The id hashes the source and the content; the dedup key hashes the
+    content alone, lowercased with whitespace collapsed, so copies are found across sources."""
     messages = [m for m in conv.messages if not _is_empty(m)]
     if source.native:
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()
         if not messages:
             raise Reject("no_assistant_turn")
+        if not any(m["role"] == "user" for m in messages):
+            raise Reject("empty_prompt")
     else:
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
@@ -141,8 +139,10 @@ def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict]:
         body["tools"] = conv.tools
     canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
     record_id = hashlib.sha256(f"{source.name}\0{canonical}".encode()).hexdigest()[:32]
-    key = hashlib.blake2b(_normalized(body).encode(), digest_size=16).hexdigest()
-    return key, {"id": record_id, "source": source.name, **body}
+    key = hashlib.blake2b(" ".join(canonical.lower().split()).encode(), digest_size=16).hexdigest()
+    # the line reuses the canonical body instead of serializing the record a second time
+    line = f'{{"id": "{record_id}", "source": {json.dumps(source.name)}, {canonical[1:]}'
+    return key, {"id": record_id, "source": source.name, **body}, line
 
 
 def tokenized_key(item: Tokenized) -> str:
@@ -196,7 +196,7 @@ def _run(
                         if isinstance(adapted, Tokenized):
                             key = tokenized_key(adapted)
                         else:
-                            key, record = conversation_record(adapted, source)
+                            key, _, line = conversation_record(adapted, source)
                     except Reject as reject:
                         rejected[reject.reason] += 1
                     else:
@@ -208,7 +208,7 @@ def _run(
                             if writer is not None:
                                 writer.add(key, adapted)
                             else:
-                                out.write(f"{key}\t{json.dumps(record, ensure_ascii=False)}\n")
+                                out.write(f"{key}\t{line}\n")
                             if source.quota is not None and result.accepted >= source.quota:
                                 break
                     if result.read == probe_rows and result.accepted == 0:

@@ -19,6 +19,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,21 @@ def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int
     return mask
 
 
+def span_mask(encoding: Any, spans: list[tuple[int, int]]) -> list[int]:
+    """The mask of one encoding: per span, the tokens holding its first and last characters and all
+    between. Same rule as ``mask_from_offsets`` in O(spans) lookups instead of a pass over all
+    offsets; a character no token covers (a normalizer dropped it) falls back to the sweep."""
+    mask = [0] * len(encoding.ids)
+    for start, end in spans:
+        if start >= end:
+            continue
+        first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+        if first is None or last is None:
+            return mask_from_offsets(encoding.offsets, spans)
+        mask[first : last + 1] = [1] * (last + 1 - first)
+    return mask
+
+
 def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
     """``(source, messages, tools)`` per line of a SpecForge-style conversations file."""
     with open(path, encoding="utf-8") as fh:
@@ -255,28 +271,66 @@ class Tokenizer:
         self.special = dict(self.hf.special_tokens_map)
         self.vocab_size = len(self.hf)
 
-    def encode_batch(
-        self, conversations: list[tuple[list[dict], Any]]
-    ) -> list[tuple[list[int], list[int]] | str]:
-        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
-        texts, spans, slots = [], [], []
-        out: list[tuple[list[int], list[int]] | str] = []
+    def render_batch(self, conversations: list[tuple[list[dict], Any]]) -> Rendered:
+        """Render each conversation and find its assistant spans (Python, holds the GIL)."""
+        rendered = Rendered()
         for messages, tools in conversations:
             try:
                 text, found = assistant_spans(self.template, messages, tools, self.special)
             except TokenizeError:
                 raise
             except Exception:  # a message the template cannot render (wrong types, missing keys)
-                out.append("render_error")
+                rendered.out.append("render_error")
                 continue
-            slots.append(len(out))
-            out.append("")
-            texts.append(text)
-            spans.append(found)
-        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
-        for slot, encoding, found in zip(slots, encodings, spans, strict=True):
-            out[slot] = (encoding.ids, mask_from_offsets(encoding.offsets, found))
+            rendered.slots.append(len(rendered.out))
+            rendered.out.append("")
+            rendered.texts.append(text)
+            rendered.spans.append(found)
+        return rendered
+
+    def encode(self, rendered: Rendered) -> list:
+        """One tokenization per text (Rust, releases the GIL, so it overlaps the next rendering)."""
+        return self.backend.encode_batch(rendered.texts, add_special_tokens=False)
+
+    @staticmethod
+    def finish(rendered: Rendered, encodings: list) -> list[tuple[list[int], list[int]] | str]:
+        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
+        out = rendered.out
+        for slot, encoding, found in zip(rendered.slots, encodings, rendered.spans, strict=True):
+            out[slot] = (encoding.ids, span_mask(encoding, found))
         return out
+
+    def encode_batch(
+        self, conversations: list[tuple[list[dict], Any]]
+    ) -> list[tuple[list[int], list[int]] | str]:
+        rendered = self.render_batch(conversations)
+        return self.finish(rendered, self.encode(rendered))
+
+
+@dataclass
+class Rendered:
+    texts: list[str] = field(default_factory=list)
+    spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    """Where each text's result goes in ``out``."""
+    out: list = field(default_factory=list)
+    """Per conversation: a rejection reason, or a place for ``(input_ids, loss_mask)``."""
+
+
+def encode_pipelined(
+    encoder: Tokenizer, batches: Iterator[list]
+) -> Iterator[tuple[list, list[tuple[list[int], list[int]] | str]]]:
+    """``(batch, results)`` in order; batch k is tokenized in a thread while batch k+1 renders."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for batch in batches:
+            rendered = encoder.render_batch([(m, t) for _, m, t in batch])
+            future = pool.submit(encoder.encode, rendered)
+            if pending is not None:
+                yield pending[0], encoder.finish(pending[1], pending[2].result())
+            pending = (batch, rendered, future)
+        if pending is not None:
+            yield pending[0], encoder.finish(pending[1], pending[2].result())
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:
@@ -350,8 +404,9 @@ def tokenize(
             try:
                 for path in conversations:
                     progress.update(task, description=str(path.name))
-                    for batch in _batches(read_conversations(path), BATCH):
-                        encoded = encoder.encode_batch([(m, t) for _, m, t in batch])
+                    for batch, encoded in encode_pipelined(
+                        encoder, _batches(read_conversations(path), BATCH)
+                    ):
                         rows = ([], [], [])
                         for (source, _, _), result in zip(batch, encoded, strict=True):
                             if isinstance(result, str):

@@ -141,12 +141,13 @@ def test_prompt_records_end_before_the_answer_and_ids_are_stable():
             {"role": "assistant", "content": "d"},
         ]
     }
-    key, record = conversation_record(adapt_messages(row, src), src)
+    key, record, line = conversation_record(adapt_messages(row, src), src)
+    assert json.loads(line) == record
     assert [m["content"] for m in record["messages"]] == ["a", "b", "c"]
     again = conversation_record(adapt_messages(row, src), src)
     renamed = src.model_copy(update={"name": "t"})
     other = conversation_record(adapt_messages(row, renamed), renamed)
-    assert again == (key, record)
+    assert again == (key, record, line)
     assert other[1]["id"] != record["id"]  # the id names the source ...
     assert other[0] == key  # ... the dedup key does not, so duplicates are found across sources
 

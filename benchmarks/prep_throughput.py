@@ -1,0 +1,114 @@
+"""Throughput of prep + tokenize against a raw fast-tokenizer pass over the same text (goal >= 0.8x).
+
+Workload: the sample conversations of the default catalog, repeated (each copy made
+unique so dedup keeps it) into one local source in the ``messages`` shape, read as
+native conversations. Measured end to end:
+
+- ours: ``prep`` (worker process, HF datasets streaming, adapter, dedup, shuffle, manifest)
+  then ``tokenize`` (template, one tokenization, loss mask, parquet shards, manifest);
+- raw: ``encode_batch`` over the very texts the template renders, in the same batches,
+  reading the ids back (rendering is not timed) — the fastest a tokenizer alone can go.
+
+Runs alternate (raw, ours, raw, ours, ...) so both see the same machine load; the ratio
+is raw seconds / our seconds (throughput ratio), median over the repeats.
+
+    .venv/bin/python -m benchmarks.prep_throughput --copies 40 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.prep_common import TEMPLATES, median, sample_conversations, tokenizers
+
+
+def write_workload(path: Path, copies: int) -> int:
+    conversations = sample_conversations()
+    with open(path, "w", encoding="utf-8") as out:
+        for copy in range(copies):
+            for record in conversations:
+                messages = json.loads(json.dumps(record["conversations"]))
+                first_user = next(m for m in messages if m["role"] == "user")
+                first_user["content"] += f" (copy {copy})"
+                out.write(
+                    json.dumps({"messages": messages, "tools": record.get("tools")}, ensure_ascii=False)
+                )
+                out.write("\n")
+    return copies * len(conversations)
+
+
+def raw_pass(folder: Path, template: str, native: Path) -> tuple[float, int]:
+    from pipeline.steps.prep.tokenize import BATCH, Tokenizer, _render, read_conversations
+
+    encoder = Tokenizer(folder, template)
+    texts = [
+        _render(encoder.template, m, t, special=encoder.special)[0] for _, m, t in read_conversations(native)
+    ]
+    started = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(texts), BATCH):
+        for encoding in encoder.backend.encode_batch(texts[i : i + BATCH], add_special_tokens=False):
+            tokens += len(encoding.ids)
+    return time.perf_counter() - started, tokens
+
+
+def ours(catalog: Path, folder: Path, template: str, work: Path) -> tuple[float, Path]:
+    from pipeline.steps.prep.prep import prep
+    from pipeline.steps.prep.tokenize import tokenize
+
+    prep_dir, tok_dir = work / "prep", work / "tokenize"
+    started = time.perf_counter()
+    assert prep(catalog, prep_dir, workers=1) == 0
+    assert (
+        tokenize(folder, [prep_dir / "native.jsonl"], [], tok_dir, chat_template=template, max_length=1 << 20)
+        == 0
+    )
+    return time.perf_counter() - started, prep_dir / "native.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=40, help="copies of the sample conversations")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--templates", nargs="+", default=list(TEMPLATES), choices=TEMPLATES)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        folders = tokenizers(work)
+        source = work / "conversations.jsonl"
+        count = write_workload(source, args.copies)
+        catalog = work / "catalog.yaml"
+        catalog.write_text(
+            yaml.safe_dump(
+                {"sources": [{"name": "bench", "data": str(source), "format": "messages", "native": True}]}
+            )
+        )
+        print(
+            f"workload: {count} conversations, {source.stat().st_size / 2**20:.1f} MiB, cpus={os.cpu_count()}"
+        )
+        print("| template (mask method) | tokens | raw encode_batch | prep + tokenize | throughput ratio |")
+        print("|---|---|---|---|---|")
+        for template in args.templates:
+            raw_times, our_times, tokens = [], [], 0
+            for repeat in range(args.repeats):
+                seconds, native = ours(catalog, folders[template], template, work / f"{template}-{repeat}")
+                our_times.append(seconds)
+                raw_seconds, tokens = raw_pass(folders[template], template, native)
+                raw_times.append(raw_seconds)
+            raw, our = median(raw_times), median(our_times)
+            method = "generation markers" if template == "kimi-k2" else "prefix render"
+            print(
+                f"| {template} ({method}) | {tokens} | {raw:.2f} s ({tokens / raw / 1e3:.0f}k tok/s) "
+                f"| {our:.2f} s ({tokens / our / 1e3:.0f}k tok/s) | {raw / our:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
