@@ -72,5 +72,17 @@ images: venv image-base
 		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
 	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) images/sglang
 
+# The flash-attn wheel, compiled in images/flash-attn's builder stage by
+# `eyrie build flash-attn` and exported to $(FLASH_ATTN_WHEELS), where `make
+# images` picks it up. Needs an nvidia/cuda devel base (nvcc): no base=local.
+FLASH_ATTN_VERSION ?= 2.8.3
+FLASH_ATTN_ARCHS ?= 100;120
+.PHONY: flash-attn-wheel
+flash-attn-wheel: venv
+	$(if $(TORCH_INDEX),PIP_EXTRA_INDEX_URL="$(TORCH_INDEX) $$PIP_EXTRA_INDEX_URL") PIP=$(VENV)/bin/pip \
+		images/flash-attn/context.sh $(IMAGES_DIR)/flash-attn $(WHEEL_PYTHON) "$(TORCH_SPEC)" $(FLASH_ATTN_VERSION)
+	DOCKER_BUILDKIT=1 docker build --build-arg FLASH_ATTN_ARCHS="$(FLASH_ATTN_ARCHS)" --target wheel \
+		--output type=local,dest=$(FLASH_ATTN_WHEELS) -f images/flash-attn/Dockerfile $(IMAGES_DIR)/flash-attn
+
 clean:
 	rm -rf runs .eyrie .pytest_cache
