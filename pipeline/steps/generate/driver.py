@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,7 @@ def scan_prompts(path: Path, limit: int | None) -> list[str]:
     return ids
 
 
-def iter_todo(path: Path, todo: set[str]):
+def iter_todo(path: Path, todo: set[str]) -> Iterator[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if not line.strip():
@@ -323,20 +324,18 @@ class Generation:
             self._flush_now.clear()
             await self.flush()
 
-    async def worker(self, queue: asyncio.Queue) -> None:
-        while (row := await queue.get()) is not None:
+    async def worker(self, rows: Iterator[dict[str, Any]]) -> None:
+        # The workers share one iterator over the prompt file: no queue, no feeder task.
+        for row in rows:
             await self.one_row(row)
 
-    async def run(self, rows, total: int, already: int, console: Console) -> None:
-        workers = self.config.concurrency
-        queue: asyncio.Queue = asyncio.Queue(maxsize=workers * 4)
-        tasks = [asyncio.create_task(self.worker(queue)) for _ in range(workers)]
+    async def run(self, rows: Iterator[dict[str, Any]], total: int, already: int, console: Console) -> None:
+        tasks = [asyncio.create_task(self.worker(rows)) for _ in range(self.config.concurrency)]
         flusher = asyncio.create_task(self.flusher())
         progress = asyncio.create_task(self._progress(total, already, console))
         try:
-            feeding = asyncio.create_task(self._feed(rows, queue, workers))
             # The first worker to fail (a dead server) ends the run; the others are cancelled.
-            done, _ = await asyncio.wait([*tasks, feeding], return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 if task.exception() is not None:
                     raise task.exception()
@@ -347,12 +346,6 @@ class Generation:
             await self.flush()
             self.conversations.close()
             self.errors.close()
-
-    async def _feed(self, rows, queue: asyncio.Queue, workers: int) -> None:
-        for row in rows:
-            await queue.put(row)
-        for _ in range(workers):
-            await queue.put(None)
 
     async def _progress(self, total: int, already: int, console: Console) -> None:
         columns = [
@@ -496,11 +489,20 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         return stats
 
 
+def _event_loop_runner():
+    # uvloop (libuv) when installed: about a fifth less CPU per request than asyncio's loop.
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def generate(config: GenerateConfig, console: Console | None = None) -> int:
     """Run the step; returns its exit code. Writes the manifest only when every row is done."""
     console = console or Console(stderr=True, soft_wrap=True)
     try:
-        stats = asyncio.run(_generate(config, console))
+        stats = _event_loop_runner()(_generate(config, console))
     except GenerateError as exc:
         console.print(str(exc), markup=False, highlight=False)
         return exc.code
