@@ -368,6 +368,12 @@ def tokenize(
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
+    if not encoder.template.markers:
+        console.print(
+            f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "
+            "spans come from rendered prefixes (one tokenization, but rendering grows with the turns)",
+            markup=False,
+        )
     per_source: dict[str, Counts] = {}
 
     def counts(source: str) -> Counts:
