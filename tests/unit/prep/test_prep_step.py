@@ -141,3 +141,26 @@ def test_default_catalog_lists_ten_sources_with_samples():
     assert len(catalog.sources) == 10
     for source in catalog.sources:
         assert Path(source.location(catalog.base, offline=True)).is_file(), source.name
+
+
+def test_a_source_that_cannot_be_read_is_named_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 this is not a parquet file")
+    # the hub path of the same reader, with the hub out of reach
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    catalog = write_catalog(
+        tmp_path,
+        [
+            {"name": "good", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
+             "fields": {"prompt": "question", "response": "answer"}},
+            {"name": "broken", "data": str(broken), "format": "tokenized"},
+            {"name": "hub", "data": "openai/gsm8k", "config": "main", "format": "pairs"},
+        ],
+    )  # fmt: skip
+    out = tmp_path / "out"
+    assert prep(catalog, out) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"error: source 'broken' ({broken}):" in err
+    assert "error: source 'hub' (openai/gsm8k):" in err
+    assert "prep failed: 2 of 3 sources; no output written" in err
+    assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json"])
