@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from rich.console import Console
@@ -26,7 +27,7 @@ from pipeline.memory.budget import memory_budget
 from pipeline.memory.units import format_size, parse_size
 from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
-from pipeline.steps.prep.sources import SourceResult, prepare_source, tokenized_schema
+from pipeline.steps.prep.sources import SourceResult, kind_of, prepare_source, tokenized_schema
 
 PROMPTS = "prompts.jsonl"
 NATIVE = "native.jsonl"
@@ -86,11 +87,20 @@ def run_sources(
                 locations[source.name],
                 parts / f"{source.name}.part",
                 probe_rows,
-            ): source.name
+            ): source
             for source in catalog.sources
         }
         for future in as_completed(futures):
-            result = future.result()
+            source = futures[future]
+            try:
+                result = future.result()
+            except BrokenProcessPool:
+                # a worker was killed (the OOM killer, a signal): every source in flight is lost
+                result = SourceResult(source.name, source.format, source.native, kind_of(source))
+                result.error = (
+                    f"source {source.name!r}: its worker process died (killed by a signal, e.g. the OOM "
+                    "killer); give the step more memory, or pass --workers 1 or a larger --worker-memory"
+                )
             results[result.name] = result
             progress.update(task, advance=1, description=result.name)
     return [results[s.name] for s in catalog.sources]
