@@ -117,6 +117,8 @@ def _render(
     generation_prompt: bool = False,
     special: dict | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
+    # The renderer behind apply_chat_template, called directly: it returns the {% generation %}
+    # character spans, and takes this conversation's own tools.
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts, indices = render_jinja_template(
