@@ -91,6 +91,7 @@ class BuildBroker:
         self.socket_path = os.path.join(self._socket_dir, "broker.sock")
         self.cgroup: Cgroup | None = None
         self.confinement = ""
+        self._running: set = set()
         self._server: socketserver.ThreadingUnixStreamServer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -127,6 +128,11 @@ class BuildBroker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for attempt in list(self._running):  # the build command ended (or was interrupted) first
+            attempt.stop("cancel")
+        deadline = time.monotonic() + 10
+        while self._running and time.monotonic() < deadline:  # let their handlers record them
+            time.sleep(0.1)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -153,9 +159,10 @@ class BuildBroker:
         argv: list[str] = request["argv"]
         source, archs, threads = parse_nvcc_argv(argv)
         if source is None:  # not a compile (e.g. a device link): run it, admitted as a default job
-            source = "nvcc " + " ".join(argv[:3])
-        key = JobKey(Path(source).name, archs, threads, self.nvcc_version)
-        name = "nvcc " + Path(source).name
+            source = "nvcc-" + "-".join(Path(a).name for a in argv[:2])
+        # The job's name in the ledger (and in its cgroup's name): the file it compiles.
+        name = Path(source).name
+        key = JobKey(name, archs, threads, self.nvcc_version)
         with self._lock:
             record = self.records.setdefault(name, JobRecord(name, key))
         if self.fatal:
@@ -170,7 +177,13 @@ class BuildBroker:
                 # stand-ins still waiting here end at once instead of compiling for nothing.
                 self.scheduler.release(job)
                 return {"exit": 1, "stdout": "", "stderr": f"eyrie build: not compiled: {self.fatal}\n"}
-            outcome, decision, output = self._run(job, argv, request, record)
+            try:
+                outcome, decision, output = self._run(job, argv, request, record)
+            except Exception as exc:  # a cgroup or ledger failure: the build cannot go on honestly
+                self.fatal = f"{name} could not be run: {exc}"
+                self.scheduler.release(job)
+                self.scheduler.abort()
+                return {"exit": 1, "stdout": "", "stderr": f"eyrie build: {self.fatal}\n"}
             if decision.verdict in MEMORY_VERDICTS:
                 observed = max(outcome.peak_bytes or 0, outcome.anon_peak_bytes or 0)
                 try:
@@ -211,8 +224,12 @@ class BuildBroker:
             host_mem_total=meminfo.get("MemTotal", 0), image=None, commit_id=None,
         )  # fmt: skip
         running = self.executor.start(launch)
+        self._running.add(running)
         self.ledger.attempt_started(attempt_id, running.pid, running.where)
-        outcome: Outcome = running.wait()
+        try:
+            outcome: Outcome = running.wait()
+        finally:
+            self._running.discard(running)
         output_file = _output_of(argv, Path(request["cwd"]))
         complete = outcome.exit_code == 0 and output_file is not None and output_file.is_file()
         decision = decide(outcome, complete, f"{output_file} written" if complete else "no object file")

@@ -98,7 +98,7 @@ def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path:
 
     ledger = Ledger(tmp_path / "run", create=False)
     rows = ledger.attempts()
-    assert sorted(r.step for r in rows) == [f"nvcc {s}" for s in BIG]
+    assert sorted(r.step for r in rows) == sorted(BIG)
     assert {r.verdict for r in rows} == {"succeeded"}
     assert all(0 < r.anon_peak_bytes <= r.limit_bytes for r in rows)
     # After the first job, two ran side by side: the correction made room for them.
@@ -118,7 +118,7 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
     assert done.returncode == 0, done.stdout + done.stderr
     assert (build / "big_a.o").is_file()
 
-    rows = Ledger(tmp_path / "run", create=False).attempts("nvcc big_a.cu")
+    rows = Ledger(tmp_path / "run", create=False).attempts("big_a.cu")
     assert [r.verdict for r in rows][0] in ("oom_killed", "child_oom_killed")
     assert rows[0].oom_kills >= 1
     assert [r.verdict for r in rows][1:] == ["succeeded"]
