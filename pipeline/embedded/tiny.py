@@ -222,9 +222,11 @@ def sample_conversations(samples_dir: Path = SAMPLES_DIR) -> list[list[dict[str,
 def _fingerprint(samples_dir: Path, kind: str) -> str:
     digest = hashlib.sha256(f"{kind}:{RECIPE_VERSION}:{SEED}:{VOCAB_SIZE}".encode())
     digest.update(CHAT_TEMPLATE.encode())
-    if kind == "target":
+    if kind in ("target", "distill"):
         digest.update(json.dumps(MODEL_CONFIG, sort_keys=True).encode())
         digest.update(f"{TRAIN_STEPS}:{TRAIN_BATCH}:{TRAIN_WINDOW}:{TRAIN_LR}".encode())
+    if kind == "distill":
+        digest.update(f"{DISTILL_PROMPT_TOKENS}:{DISTILL_NEW_TOKENS}".encode())
     for path in _sample_files(samples_dir):
         digest.update(str(path.relative_to(samples_dir)).encode())
         digest.update(path.read_bytes())
@@ -412,3 +414,58 @@ def target_command(out: Path) -> int:
     )
     print(f"tiny target ready in {folder}")
     return 0
+
+
+# ---------------------------------------------------------------- self-distilled data
+
+DISTILL_PROMPT_TOKENS = 160
+DISTILL_NEW_TOKENS = 96
+DISTILL_BATCH = 32
+
+
+def _distill(out: Path, samples_dir: Path) -> None:
+    """The target's own greedy answers to the sample prompts, as tokenized training shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = ensure_tiny_target(samples_dir=samples_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts, seen = [], set()
+    for conversation in sample_conversations(samples_dir):
+        first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), None)
+        if not first:
+            continue
+        ids = tokenizer.apply_chat_template(
+            conversation[:first], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        ids = list(ids)[-DISTILL_PROMPT_TOKENS:]
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            prompts.append(ids)
+    rows = {"input_ids": [], "loss_mask": [], "source": []}
+    with torch.no_grad():
+        for start in range(0, len(prompts), DISTILL_BATCH):
+            batch_prompts = prompts[start : start + DISTILL_BATCH]
+            batch = tokenizer.pad({"input_ids": batch_prompts}, return_tensors="pt")
+            out_ids = model.generate(**batch, max_new_tokens=DISTILL_NEW_TOKENS, do_sample=False)
+            width = batch["input_ids"].shape[1]
+            for prompt, row in zip(batch_prompts, out_ids[:, width:], strict=True):
+                answer = row.tolist()
+                if tokenizer.eos_token_id in answer:
+                    answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+                answer = [t for t in answer if t != tokenizer.pad_token_id]
+                rows["input_ids"].append(prompt + answer)
+                rows["loss_mask"].append([0] * len(prompt) + [1] * len(answer))
+                rows["source"].append("tiny-target-greedy")
+    pq.write_table(pa.table(rows), out / "shard-00000.parquet")
+
+
+def ensure_distilled_shards(
+    out_dir: str | os.PathLike[str] | None = None, *, samples_dir: Path = SAMPLES_DIR
+) -> Path:
+    """A folder of tokenized shards (``input_ids``, ``loss_mask``, ``source``) whose answers the
+    tiny target generated itself (greedy): data a draft can learn to predict. Cached."""
+    return _place(_cached("distill", samples_dir, _distill), out_dir)

@@ -1,0 +1,58 @@
+"""Atomic training checkpoints: a folder per step, written under a temporary name, then renamed.
+
+A checkpoint counts only when its folder carries the ``COMPLETE`` marker, written
+last inside the temporary folder before the rename: a ``kill -9`` at any moment
+leaves either the previous checkpoint or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.run.manifest import atomic_path
+
+COMPLETE = "COMPLETE"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def save(folder: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``state`` (tensors, optimizer, scheduler) and ``meta`` (JSON) as checkpoint ``step``."""
+    final = folder / f"step-{step:08d}"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        torch.save(
+            {**state, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+            tmp / "state.pt",
+        )
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        (tmp / COMPLETE).write_text("")
+    for old in complete(folder)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def complete(folder: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (leftover temporary folders are ignored)."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if _NAME.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def load_latest(folder: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(state, meta)`` of the newest complete checkpoint, RNG states restored; None if there is none."""
+    found = complete(folder)
+    if not found:
+        return None
+    latest = found[-1]
+    state = torch.load(latest / "state.pt", map_location="cpu", weights_only=False)
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state, json.loads((latest / "meta.json").read_text())

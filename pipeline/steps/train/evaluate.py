@@ -1,0 +1,95 @@
+"""A real speculative-decoding loop: the draft proposes a chain of K tokens, the target verifies greedily.
+
+The output is exactly the target's greedy output (verification keeps only tokens the
+target would have chosen, plus the target's own next token), so the loop is lossless;
+what it measures is how many tokens each target forward yields: the acceptance length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.steps.train.model import Eagle3Draft, StepCache
+
+
+@torch.no_grad()
+def _target_pass(target, ids: list[int], layer_ids: list[int]):
+    device = next(target.parameters()).device
+    out = target(input_ids=torch.tensor([ids], device=device), output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return out.logits[0].argmax(-1).tolist(), features
+
+
+@torch.no_grad()
+def propose(draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int) -> list[int]:
+    """K draft tokens (target ids) continuing ``ids``; ``features`` covers ``ids[:-1]``.
+
+    Step 0 runs over every position with its real target feature; step j runs the chain
+    built on the last position, whose key/value pairs are the only step-j ones it sees,
+    exactly as in training-time test.
+    """
+    n = len(ids) - 1
+    device = features.device
+    tokens = torch.tensor([ids[1:]], device=device)
+    positions = torch.arange(n, device=device)[None]
+    cache = StepCache.empty()
+    hidden = draft.fc(features[:, :n].to(draft.fc.weight.dtype))
+    proposals: list[int] = []
+    for j in range(k):
+        hidden = draft.step(tokens, hidden, positions + j, cache)
+        token = int(draft.draft_to_target(draft.logits(hidden[:, -1]).argmax(-1)))
+        proposals.append(token)
+        tokens = tokens.clone()
+        tokens[0, -1] = token
+    return proposals
+
+
+@torch.no_grad()
+def speculative_generate(
+    target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_id: int | None
+) -> tuple[list[int], list[int]]:
+    """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
+    layer_ids = draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    argmax, features = _target_pass(target, prompt, layer_ids)
+    ids = prompt + [argmax[-1]]
+    generated = [argmax[-1]]
+    per_forward: list[int] = []
+    while len(generated) < max_new_tokens and generated[-1] != eos_id:
+        drafts = propose(draft, ids, features, k)
+        argmax, features = _target_pass(target, ids + drafts, layer_ids)
+        base = len(ids) - 1  # the target's prediction after ids[-1]
+        accepted = 0
+        while accepted < k and drafts[accepted] == argmax[base + accepted]:
+            if drafts[accepted] == eos_id:
+                break
+            accepted += 1
+        new = drafts[:accepted] + [argmax[base + accepted]]
+        if eos_id in new:
+            new = new[: new.index(eos_id) + 1]
+        new = new[: max_new_tokens - len(generated)]
+        per_forward.append(len(new))
+        ids += new
+        generated += new
+    return generated, per_forward
+
+
+def prompt_of(input_ids: list[int], loss_mask: list[int]) -> list[int]:
+    """The tokens before the first assistant token: what the target was asked."""
+    first = next(i for i, m in enumerate(loss_mask) if m)
+    return input_ids[:first]
+
+
+def real_acceptance(target, draft: Eagle3Draft, rows, k: int, max_new_tokens: int, eos_id) -> dict:
+    """Mean tokens per verifying target forward over held-out prompts."""
+    yielded: list[int] = []
+    for row in rows:
+        prompt = prompt_of(row.input_ids, row.loss_mask)
+        if len(prompt) < 2:
+            continue
+        _, per_forward = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_id)
+        yielded += per_forward
+    return {
+        "prompts": len(rows),
+        "verify_forwards": len(yielded),
+        "acceptance_length": sum(yielded) / len(yielded) if yielded else None,
+    }

@@ -1,0 +1,267 @@
+"""The training loop: target features in, an EAGLE-3 draft out, resumable after ``kill -9``.
+
+Single process, or one process per device under ``torchrun`` (DDP on the draft,
+the frozen target replicated in each process; gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.steps.train import checkpoint as ckpt
+from pipeline.steps.train.data import (
+    batch_at,
+    collate,
+    load_shards,
+    split_heldout,
+    steps_per_epoch,
+    token_counts,
+)
+from pipeline.steps.train.features import FeatureSource, OnlineTarget, TargetBatch
+from pipeline.steps.train.model import (
+    Eagle3Draft,
+    default_layer_ids,
+    draft_config,
+    shift_left,
+    soft_cross_entropy,
+    vocab_map,
+)
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data: Path
+    """The tokenize step's shards (a folder of parquet files)."""
+    target: Path
+    """The target model folder (Hugging Face)."""
+    out: Path = Path(".")
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    layer_ids: list[int] | None = None
+    loss_decay: float = 0.8
+    lr: float = 1e-4
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    epochs: float = 1.0
+    max_steps: int | None = None
+    batch_size: int = 1
+    max_length: int = 2048
+    seed: int = 0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    heldout_fraction: float = 0.05
+    loss_chunk: int = 512
+    eval_prompts: int = 32
+    eval_max_new_tokens: int = 64
+    threads: int | None = None
+    nproc: int = 1
+    nnodes: int = 1
+
+
+class DraftLoss(nn.Module):
+    """The draft plus its TTT loss, as one module so DDP sees every parameter used in forward."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, chunk: int):
+        super().__init__()
+        self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
+
+    def forward(self, input_ids, loss_mask, target: TargetBatch):
+        # Position p sees the token after it (p + 1) and the target's feature at p.
+        outs = self.draft(shift_left(input_ids, 1), target.features, self.steps)
+        total = torch.zeros((), device=input_ids.device)
+        stats = []
+        for k, out in enumerate(outs):
+            # Step k at p predicts token p + 2 + k; its teacher is the target's distribution at p + 1 + k.
+            teacher = shift_left(target.teacher, k + 1)
+            mask = shift_left(loss_mask, k + 2, False) & shift_left(target.in_draft_vocab, k + 1, False)
+            loss_sum, correct, count = self._chunked_loss(out, teacher, mask)
+            total = total + self.decay**k * loss_sum / count.clamp(min=1)
+            stats.append((loss_sum.detach(), correct, count))
+        return total, stats
+
+    def _chunked_loss(self, out, teacher, mask):
+        """Loss over the draft vocabulary a chunk of positions at a time, logits recomputed in backward."""
+        sums = []
+        for start in range(0, out.shape[1], self.chunk):
+            part = slice(start, start + self.chunk)
+            sums.append(
+                checkpoint(self._chunk, out[:, part], teacher[:, part], mask[:, part], use_reentrant=False)
+            )
+        loss, correct, count = (torch.stack(x).sum() for x in zip(*sums, strict=True))
+        return loss, correct, count
+
+    def _chunk(self, out, teacher, mask):
+        return soft_cross_entropy(self.draft.logits(out), teacher, mask)
+
+
+def _lr_lambda(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _setup_distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def build(cfg: TrainConfig, device: torch.device):
+    """Load the target and data, build the vocabulary map and the draft (same on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device)
+    rows = load_shards(cfg.data, cfg.max_length)
+    train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
+    if not train_rows:
+        raise ValueError(f"no training rows with assistant tokens in {cfg.data}")
+    vocab = target.config.vocab_size
+    d2t, t2d = vocab_map(token_counts(train_rows, vocab), cfg.draft_vocab_size)
+    layer_ids = cfg.layer_ids or default_layer_ids(target.config.num_hidden_layers)
+    draft = Eagle3Draft(draft_config(target.config, d2t.shape[0], layer_ids))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    source = OnlineTarget(target, layer_ids, d2t, t2d)
+    return target, source, draft.to(device), train_rows, heldout
+
+
+def train(cfg: TrainConfig, log=print) -> dict:
+    """Run (or resume) training to the planned number of steps; return the run's summary."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rank, world, device = _setup_distributed()
+    torch.manual_seed(cfg.seed)
+    target, source, draft, train_rows, heldout = build(cfg, device)
+    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+
+    per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+    warmup = max(1, round(cfg.warmup_ratio * total))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
+
+    folder = cfg.out / "checkpoints"
+    start = 0
+    resumed = ckpt.load_latest(folder)
+    if resumed is not None:
+        state, meta = resumed
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = meta["step"]
+        log(f"resumed from step {start} of {total}")
+
+    module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk)
+    model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    started, tokens_seen, last = time.monotonic(), 0, {}
+    for step in range(start, total):
+        batch = collate(batch_at(train_rows, step, cfg.batch_size, cfg.seed, rank, world), pad_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast:
+            teacher = source(batch["input_ids"], batch["attention_mask"])
+            loss, stats = model(batch["input_ids"], batch["loss_mask"], teacher)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        tokens_seen += int(batch["attention_mask"].sum())
+        done = step + 1
+        if done % cfg.log_every == 0 or done == total:
+            last = _metrics(stats, loss, grad_norm, world)
+            if rank == 0:
+                accs = " ".join(f"{a:.2f}" for a in last["acc"])
+                lr = scheduler.get_last_lr()[0]
+                log(f"step {done}/{total} loss {last['loss']:.3f} acc {accs} lr {lr:.2e}")
+        if done % cfg.checkpoint_every == 0 or done == total:
+            if rank == 0:
+                ckpt.save(
+                    folder,
+                    done,
+                    {
+                        "draft": draft.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                    },
+                    {"total_steps": total, "world_size": world},
+                )
+            if world > 1:
+                dist.barrier()
+    elapsed = time.monotonic() - started
+    summary = {
+        "optimizer_steps": total,
+        "resumed_from_step": start,
+        "world_size": world,
+        "train_rows": len(train_rows),
+        "heldout_rows": len(heldout),
+        "draft_vocab_size": int(draft.d2t.shape[0]),
+        "layer_ids": list(source.layer_ids),
+        "tokens_per_s_this_run": round(tokens_seen * world / elapsed, 1) if elapsed else None,
+        "final": last,
+    }
+    return {"summary": summary, "target": target, "draft": draft, "heldout": heldout, "rank": rank}
+
+
+def _metrics(stats, loss, grad_norm, world: int) -> dict:
+    numbers = torch.tensor([loss.item()] + [float(v) for s in stats for v in s[1:]], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(numbers)
+        numbers[0] /= world
+    accs = [float(numbers[1 + 2 * k] / max(1.0, float(numbers[2 + 2 * k]))) for k in range(len(stats))]
+    return {"loss": float(numbers[0]), "acc": accs, "grad_norm": float(grad_norm)}
+
+
+@torch.no_grad()
+def simulated_acceptance(
+    source: FeatureSource, draft: Eagle3Draft, rows, steps: int, pad_id: int, batch_size: int = 8
+) -> dict:
+    """Per-step argmax agreement on held-out rows, and the acceptance length it implies.
+
+    acc_k is measured with teacher-forced tokens; the chain survives to step k with
+    probability prod_{j<=k} acc_j, so the expected accepted drafts are the sum of those
+    products, and a target forward yields one token more (its own).
+    """
+    module = DraftLoss(draft, steps, 1.0, chunk=1 << 30)
+    correct = torch.zeros(steps, dtype=torch.float64)
+    count = torch.zeros(steps, dtype=torch.float64)
+    device = draft.fc.weight.device
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i : i + batch_size], pad_id).items()}
+        target = source(batch["input_ids"], batch["attention_mask"])
+        _, stats = module(batch["input_ids"], batch["loss_mask"], target)
+        for k, (_, c, n) in enumerate(stats):
+            correct[k] += float(c)
+            count[k] += float(n)
+    acc = (correct / count.clamp(min=1)).tolist()
+    survive, accepted = 1.0, 0.0
+    for a in acc:
+        survive *= a
+        accepted += survive
+    return {"acc": acc, "accepted_drafts": accepted, "acceptance_length": 1.0 + accepted}
