@@ -229,6 +229,45 @@ def build_flash_attn(
     )
 
 
+@app.command()
+def train(
+    data: Annotated[Path, typer.Option(help="Tokenized shards (the tokenize step's folder).")],
+    target: Annotated[Path, typer.Option(help="The target model folder (Hugging Face).")],
+    config: Annotated[Path | None, typer.Option(help="YAML of training settings.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: the step dir).")] = None,
+    draft_vocab_size: Annotated[int | None, typer.Option(help="Draft vocabulary (default 32000).")] = None,
+    ttt_steps: Annotated[int | None, typer.Option(help="Training-time-test steps K (default 7).")] = None,
+    layer_ids: Annotated[str | None, typer.Option(help="Feature layers, e.g. '1,15,28'.")] = None,
+    lr: Annotated[float | None, typer.Option()] = None,
+    epochs: Annotated[float | None, typer.Option()] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps (overrides epochs).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Rows per process per step.")] = None,
+    max_length: Annotated[int | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="Steps between checkpoints.")] = None,
+    heldout_fraction: Annotated[float | None, typer.Option()] = None,
+    eval_prompts: Annotated[int | None, typer.Option(help="Held-out prompts decoded.")] = None,
+    eval_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    nproc: Annotated[int | None, typer.Option(help="Processes per node (torchrun).")] = None,
+    nnodes: Annotated[int | None, typer.Option(help="Nodes (torchrun).")] = None,
+) -> None:
+    """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
+    from pipeline.steps.train.cli import train_command
+
+    ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
+    raise typer.Exit(
+        train_command(
+            config, data=data, target=target, out=out, draft_vocab_size=draft_vocab_size,
+            ttt_steps=ttt_steps, layer_ids=ids, lr=lr, epochs=epochs, max_steps=max_steps,
+            batch_size=batch_size, max_length=max_length, seed=seed,
+            checkpoint_every=checkpoint_every, heldout_fraction=heldout_fraction,
+            eval_prompts=eval_prompts, eval_max_new_tokens=eval_max_new_tokens, threads=threads,
+            nproc=nproc, nnodes=nnodes,
+        )  # fmt: skip
+    )
+
+
 embedded_app = typer.Typer(help="The embedded default: the tiny target and its data.", no_args_is_help=True)
 app.add_typer(embedded_app, name="embedded")
 
