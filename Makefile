@@ -6,13 +6,16 @@ EYRIE := $(VENV)/bin/eyrie
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,ml,generate,docker,provision
 RUN_DIR ?= runs/demo
+comma := ,
 
-.PHONY: help venv demo test test-slow lint clean
+.PHONY: help venv demo test test-slow lint clean provision verify
 
 help:
 	@echo "make demo       run the embedded demo pipeline on this machine, then show its status"
 	@echo "make test       run the test suite (default markers: not slow, not host)"
 	@echo "make test-slow  run the slow suites too"
+	@echo "make provision  host=NAME | inventory=FILE [check=1] [tags=docker,...]: provision GPU hosts"
+	@echo "make verify     host=NAME | inventory=FILE: prove provisioned hosts with the testinfra suite"
 	@echo "make images     the Docker images (base=local: from a Debian 12 base built here)"
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
@@ -86,3 +89,11 @@ flash-attn-wheel: venv
 
 clean:
 	rm -rf runs .eyrie .pytest_cache
+
+# Provisioning: one host (host=NAME or USER@NAME) or an inventory (inventory=FILE).
+provision: venv
+	$(EYRIE) provision $(if $(host),--host $(host)) $(if $(inventory),--inventory $(inventory)) \
+		$(if $(filter 1 yes true,$(check)),--check) $(foreach t,$(subst $(comma), ,$(tags)),--tag $(t))
+
+verify: venv
+	$(EYRIE) verify $(if $(host),--host $(host)) $(if $(inventory),--inventory $(inventory))

@@ -196,6 +196,36 @@ def generate(
     )
 
 
+@app.command()
+def provision(
+    host: Annotated[
+        str | None, typer.Option(help="One host: NAME, USER@NAME or USER@NAME:PORT (SSH).")
+    ] = None,
+    inventory: Annotated[Path | None, typer.Option(help="An Ansible inventory (group gpu_hosts).")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
+    tags: Annotated[
+        list[str] | None, typer.Option("--tag", help="Only these roles (repeatable), e.g. docker.")
+    ] = None,
+    limit: Annotated[str | None, typer.Option(help="Only these inventory hosts (Ansible pattern).")] = None,
+) -> None:
+    """Turn GPU hosts into verified pipeline hosts: driver, CUDA, Docker, container toolkit."""
+    from pipeline.provision.cli import provision_command
+
+    raise typer.Exit(provision_command(host, inventory, check, tags, limit))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def verify(
+    ctx: typer.Context,
+    host: Annotated[str | None, typer.Option(help="One host over SSH: NAME or USER@NAME.")] = None,
+    inventory: Annotated[Path | None, typer.Option(help="Every gpu_hosts host of an inventory.")] = None,
+) -> None:
+    """Prove provisioned hosts are right with the testinfra suite (extra args go to pytest)."""
+    from pipeline.provision.cli import verify_command
+
+    raise typer.Exit(verify_command(host, inventory, list(ctx.args)))
+
+
 build_app = typer.Typer(help="Build compiled dependencies under a memory budget.", no_args_is_help=True)
 app.add_typer(build_app, name="build")
 

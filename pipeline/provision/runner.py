@@ -1,0 +1,228 @@
+"""Runs the provisioning playbook through ansible-runner and turns its events into facts.
+
+The private data dir (``.eyrie/ansible/`` by default) keeps ansible-runner's
+layout: ``inventory/`` (the one-host inventory ``--host`` writes),
+``artifacts/<ident>/`` (job events, stdout, rc, status, kept for the last runs).
+Every event updates a per-host tally; failures and unreachable hosts are kept
+with the task that hit them, so the caller can name host and task.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = Path(os.environ.get("EYRIE_ANSIBLE_DIR", REPO / "ansible"))
+PLAYBOOK = "playbooks/provision.yml"
+SITE_GROUP_VARS = ANSIBLE_DIR / "inventory" / "group_vars"
+DEFAULT_DATA_DIR = Path(".eyrie/ansible")
+HOST_GROUP = "gpu_hosts"
+KEPT_ARTIFACTS = 20
+
+
+class ProvisionError(Exception):
+    """A problem found before Ansible runs (bad arguments, missing files)."""
+
+
+@dataclass
+class HostTally:
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unreachable: bool = False
+    current_task: str = ""
+
+
+@dataclass
+class Failure:
+    host: str
+    task: str
+    message: str
+    unreachable: bool = False
+
+    def line(self) -> str:
+        what = "unreachable" if self.unreachable else "failed"
+        return f"{self.host}: {what} at task '{self.task}': {self.message}"
+
+
+@dataclass
+class ProvisionResult:
+    status: str
+    rc: int
+    check: bool
+    hosts: dict[str, HostTally]
+    failures: list[Failure]
+    recap: dict[str, dict[str, int]]
+    artifacts: Path
+    changed_tasks: list[tuple[str, str]] = field(default_factory=list)
+    """(host, task) of every change, so "converge again: 0 changed" can name what moved."""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.rc == 0 and not self.failures and self.status == "successful"
+
+    def changed(self) -> int:
+        return sum(counts.get("changed", 0) for counts in self.recap.values())
+
+
+def host_inventory(host: str) -> dict[str, Any]:
+    """A one-host inventory in the playbook's group; ``user@host[:port]`` sets user and port."""
+    user, _, address = host.rpartition("@")
+    name, _, port = address.partition(":")
+    if not name:
+        raise ProvisionError(f"--host {host!r}: no host name; give NAME, USER@NAME or USER@NAME:PORT")
+    hostvars: dict[str, Any] = {}
+    if user:
+        hostvars["ansible_user"] = user
+    if port:
+        if not port.isdigit():
+            raise ProvisionError(f"--host {host!r}: port {port!r} is not a number")
+        hostvars["ansible_port"] = int(port)
+    return {HOST_GROUP: {"hosts": {name: hostvars or None}}}
+
+
+def _message(result: dict[str, Any]) -> str:
+    """The one line that says why a task failed."""
+    for key in ("msg", "stderr", "stdout", "module_stderr", "reason"):
+        value = result.get(key)
+        if value:
+            text = str(value).strip().splitlines()
+            return text[-1] if key in ("stderr", "module_stderr") else " ".join(text)[:500]
+    return "no message (see the artifacts)"
+
+
+class EventTally:
+    """Feeds on ansible-runner events: per-host counts, current task, failures."""
+
+    def __init__(self, on_change: Callable[[EventTally], None] | None = None) -> None:
+        self.hosts: dict[str, HostTally] = {}
+        self.failures: list[Failure] = []
+        self.changed_tasks: list[tuple[str, str]] = []
+        self.task = ""
+        self._on_change = on_change
+
+    def host(self, name: str) -> HostTally:
+        return self.hosts.setdefault(name, HostTally())
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        kind = event.get("event", "")
+        data = event.get("event_data", {})
+        host = data.get("host")
+        task = data.get("task", "")
+        if kind == "playbook_on_task_start":
+            self.task = task
+            for tally in self.hosts.values():
+                if not tally.unreachable:
+                    tally.current_task = task
+        elif host and kind in ("runner_on_start",):
+            self.host(host).current_task = task
+        elif host and kind == "runner_on_ok":
+            tally = self.host(host)
+            tally.ok += 1
+            if data.get("res", {}).get("changed"):
+                tally.changed += 1
+                self.changed_tasks.append((host, task))
+        elif host and kind == "runner_on_skipped":
+            self.host(host).skipped += 1
+        elif host and kind == "runner_on_failed":
+            tally = self.host(host)
+            if data.get("ignore_errors"):
+                tally.ok += 1
+            else:
+                tally.failed += 1
+                self.failures.append(Failure(host, task, _message(data.get("res", {}))))
+        elif host and kind == "runner_on_unreachable":
+            tally = self.host(host)
+            tally.unreachable = True
+            self.failures.append(Failure(host, task, _message(data.get("res", {})), unreachable=True))
+        if self._on_change is not None:
+            self._on_change(self)
+        return True  # keep the event in the artifacts
+
+
+def provision(
+    *,
+    host: str | None = None,
+    inventory: Path | None = None,
+    check: bool = False,
+    tags: list[str] | None = None,
+    limit: str | None = None,
+    extravars: dict[str, Any] | None = None,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    on_change: Callable[[EventTally], None] | None = None,
+) -> ProvisionResult:
+    """Run the provisioning playbook against one host or an inventory; never raises on host failures."""
+    import ansible_runner
+
+    if (host is None) == (inventory is None):
+        raise ProvisionError("give exactly one of --host NAME or --inventory FILE")
+    data_dir = data_dir.resolve()
+    (data_dir / "inventory").mkdir(parents=True, exist_ok=True)
+    if host is not None:
+        inventory_path = data_dir / "inventory" / "host.yml"
+        inventory_path.write_text(yaml.safe_dump(host_inventory(host), sort_keys=False))
+        # The site's group_vars apply to a single host as they do to an inventory beside them.
+        group_vars = data_dir / "inventory" / "group_vars"
+        if not group_vars.is_symlink() or group_vars.resolve() != SITE_GROUP_VARS:
+            group_vars.unlink(missing_ok=True)
+            group_vars.symlink_to(SITE_GROUP_VARS, target_is_directory=True)
+    else:
+        inventory_path = Path(inventory).resolve()
+        if not inventory_path.exists():
+            raise ProvisionError(f"inventory {inventory} does not exist; copy ansible/inventory/example.yml")
+    playbook = ANSIBLE_DIR / PLAYBOOK
+    if not playbook.exists():
+        raise ProvisionError(f"playbook {playbook} is missing; set EYRIE_ANSIBLE_DIR to the ansible/ folder")
+
+    cmdline = []
+    if check:
+        cmdline += ["--check", "--diff"]
+    if tags:
+        cmdline += ["--tags", ",".join(tags)]
+    # ansible-playbook comes with ansible-core, beside this interpreter.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    tally = EventTally(on_change)
+    ident = time.strftime("%Y%m%dT%H%M%S") + ("-check" if check else "")
+    runner = ansible_runner.run(
+        private_data_dir=str(data_dir),
+        project_dir=str(ANSIBLE_DIR),
+        playbook=str(playbook),
+        inventory=str(inventory_path),
+        limit=limit,
+        extravars=extravars or None,
+        cmdline=" ".join(cmdline) or None,
+        envvars={
+            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+            "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
+            "ANSIBLE_FORCE_COLOR": "0",
+            "PATH": path,
+        },
+        ident=ident,
+        rotate_artifacts=KEPT_ARTIFACTS,
+        event_handler=tally,
+        quiet=True,
+    )
+    recap: dict[str, dict[str, int]] = {}
+    for key, per_host in (runner.stats or {}).items():
+        if isinstance(per_host, dict):
+            for name, count in per_host.items():
+                recap.setdefault(name, {})[key] = count
+    return ProvisionResult(
+        status=runner.status,
+        rc=runner.rc if runner.rc is not None else 1,
+        check=check,
+        hosts=tally.hosts,
+        failures=tally.failures,
+        recap=recap,
+        artifacts=Path(runner.config.artifact_dir),
+        changed_tasks=tally.changed_tasks,
+    )

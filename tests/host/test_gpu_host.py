@@ -1,0 +1,115 @@
+"""Proves a provisioned host is right: run with `make verify host=NAME` or `inventory=FILE`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = pytest.mark.host
+
+
+def _policy(host, package: str) -> tuple[str, str]:
+    """(installed, candidate) versions as apt, with the pins in force, sees them."""
+    out = host.check_output(f"apt-cache policy {package}")
+    installed = re.search(r"Installed: (\S+)", out)
+    candidate = re.search(r"Candidate: (\S+)", out)
+    return (installed.group(1) if installed else "", candidate.group(1) if candidate else "")
+
+
+def test_driver_installed_from_the_pinned_branch(host, expected):
+    branch = expected["nvidia_driver_branch"]
+    for package in expected["nvidia_driver_packages"]:
+        installed, candidate = _policy(host, package)
+        assert installed.startswith(f"{branch}."), f"{package} {installed} is not of branch {branch}"
+        # A newer branch in the repository must not be what an upgrade would take.
+        assert candidate.startswith(f"{branch}."), f"apt would move {package} to {candidate}"
+
+
+def test_driver_pin_and_unattended_upgrades_guard(host, expected):
+    pin = host.file("/etc/apt/preferences.d/eyrie-nvidia-driver")
+    assert pin.exists
+    assert f"Pin: version {expected['nvidia_driver_branch']}.*" in pin.content_string
+    guard = host.file("/etc/apt/apt.conf.d/51eyrie-nvidia-driver")
+    assert guard.exists
+    assert '"nvidia-";' in guard.content_string
+    # apt itself must read the blacklist, not just find a file.
+    dump = host.check_output("apt-config dump Unattended-Upgrade::Package-Blacklist")
+    assert "nvidia-" in dump
+
+
+def test_open_kernel_module_of_the_branch(host, expected, driver_loaded):
+    assert "Open Kernel Module" in driver_loaded, driver_loaded
+    assert re.search(rf"\b{expected['nvidia_driver_branch']}\.\d+", driver_loaded), driver_loaded
+    assert host.check_output("modinfo -F license nvidia") == "Dual MIT/GPL"
+
+
+def test_nvidia_smi_lists_the_gpus(host, expected, driver_loaded):
+    rows = host.check_output("nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader")
+    gpus = [row for row in rows.splitlines() if row.strip()]
+    if expected["host_expected_gpu_count"]:
+        assert len(gpus) == expected["host_expected_gpu_count"], rows
+    assert gpus and all(
+        row.split(",")[-1].strip().startswith(f"{expected['nvidia_driver_branch']}.") for row in gpus
+    ), rows
+
+
+def test_nouveau_blacklisted_and_not_loaded(host):
+    assert "blacklist nouveau" in host.file("/etc/modprobe.d/eyrie-blacklist-nouveau.conf").content_string
+    # Every loaded module has a directory in /sys/module.
+    assert not host.file("/sys/module/nouveau").exists
+
+
+def test_nvcc_reports_the_pinned_cuda(host, expected):
+    nvcc = f"{expected['cuda_toolkit_home']}/bin/nvcc"
+    out = host.check_output(f"{nvcc} --version")
+    assert f"release {expected['cuda_toolkit_version']}," in out, out
+    # Login shells find the same nvcc, and the libraries are in the linker path.
+    assert host.check_output("bash -lc 'command -v nvcc'") == nvcc
+    assert (
+        f"{expected['cuda_toolkit_home']}/lib64"
+        in host.file("/etc/ld.so.conf.d/eyrie-cuda.conf").content_string
+    )
+
+
+def test_container_toolkit_pinned_to_one_version(host, expected):
+    version = expected["nvidia_container_toolkit_version"]
+    for package in expected["nvidia_container_toolkit_packages"]:
+        installed, candidate = _policy(host, package)
+        assert installed == version, f"{package} is {installed}, expected {version}"
+        assert candidate == version, f"apt would move {package} to {candidate}"
+
+
+def test_docker_running_with_nvidia_runtime(host):
+    docker = host.service("docker")
+    assert docker.is_enabled
+    assert docker.is_running
+    runtimes = json.loads(host.check_output("docker info --format '{{json .Runtimes}}'"))
+    assert "nvidia" in runtimes, runtimes
+
+
+def test_daemon_json_keeps_every_owner(host, expected):
+    daemon = json.loads(host.file("/etc/docker/daemon.json").content_string)
+    assert "nvidia" in daemon.get("runtimes", {}), daemon
+    for key, value in expected["docker_daemon_options"].items():
+        assert daemon.get(key) == value, f"daemon.json {key}={daemon.get(key)!r}, expected {value!r}"
+
+
+def test_cdi_spec_exists(host, expected, driver_loaded):
+    spec = host.file(expected["nvidia_container_toolkit_cdi_spec"])
+    assert spec.exists
+    assert "nvidia.com/gpu" in spec.content_string
+
+
+def test_cgroup_v2_with_memory_controller(host, expected):
+    memory = [
+        line.split()
+        for line in host.file("/proc/cgroups").content_string.splitlines()
+        if line.startswith("memory")
+    ]
+    assert memory and memory[0][-1] == "1", "memory accounting is off"
+    if not expected["host_require_cgroup_v2"]:
+        pytest.skip("host_require_cgroup_v2 is false for this host: cgroup v1 is accepted")
+    assert host.check_output("stat -fc %T /sys/fs/cgroup") == "cgroup2fs"
+    assert "memory" in host.file("/sys/fs/cgroup/cgroup.controllers").content_string
