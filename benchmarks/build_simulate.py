@@ -7,7 +7,7 @@ Inputs are the per-file profiles measured here (nvcc 13.0, sm_120 alone,
 --threads 1; ``pipeline/build/profiles/``): anonymous peak, wall time and the
 memory shape over time. A file not measured takes the measurement of the same
 kind (fwd / fwd_split / bwd) with the nearest head dimension. Scaling to the
-incident's jobs (two archs, --threads 4), two models, both reported:
+incident's jobs (two archs, --threads 4), three models, all reported:
 
 - ``archs``: nvcc's --threads runs the archs of one file in parallel, so a job
   holds min(threads, archs) = 2 per-arch compiles at once: peak × 2, time × 1.
@@ -15,13 +15,15 @@ incident's jobs (two archs, --threads 4), two models, both reported:
   2× its one-arch peak.)
 - ``threads``: the incident's own report, "3–5.5 GB per nvcc thread": peak ×
   threads = × 4, time × 1.
+- ``fitted``: the factor between 2 and 4 (steps of 0.05) in the middle of the
+  range for which the replay matches the incident (MAX_JOBS 32 OOMs, 20 passes).
 
 Time: a job's wall time here is scaled by one factor chosen so that MAX_JOBS=20
 takes 10 minutes, as in the incident (CPU speed and contention differ); the
 ranking of the strategies does not depend on it. Each job uses min(threads,
 archs) cores; above 128 busy threads every job slows evenly.
 
-Run: python benchmarks/build_simulate.py [--model archs|threads|both]
+Run: .venv/bin/python -m benchmarks.build_simulate [--profiles DIR]
 """
 
 from __future__ import annotations
@@ -70,14 +72,13 @@ def measured_for(name: str, entries: list[ProfileEntry]) -> ProfileEntry:
     return min(same_kind, key=lambda e: (abs(_kind_hdim(e.source)[1] - hdim), e.source))
 
 
-def jobs_for(model: str, entries: list[ProfileEntry], time_scale: float) -> list[SimJob]:
+def jobs_for(factor: float, entries: list[ProfileEntry], time_scale: float) -> list[SimJob]:
     in_flight = min(THREADS, ARCHS)
-    factor = in_flight if model == "archs" else THREADS
     waves = math.ceil(ARCHS / in_flight)
     jobs = []
     for name in flash_attn_sources():
         m = measured_for(name, entries)
-        peak = m.anon_peak_bytes * factor
+        peak = int(m.anon_peak_bytes * factor)
         jobs.append(SimJob(
             name, peak, m.wall_s * waves * time_scale, tuple(m.shape or [1.0]), threads=in_flight,
             predicted=math.ceil(peak * SAFETY_MARGIN),
@@ -85,37 +86,49 @@ def jobs_for(model: str, entries: list[ProfileEntry], time_scale: float) -> list
     return jobs
 
 
-def run(model: str, entries: list[ProfileEntry]) -> list[str]:
-    base = simulate_fixed(jobs_for(model, entries, 1.0), 20, cores=CORES, memory=2**62)
-    scale = INCIDENT_MINUTES_AT_20 * 60 / base.makespan
-    jobs = jobs_for(model, entries, scale)
+def time_scale(factor: float, entries: list[ProfileEntry]) -> float:
+    """The factor that makes MAX_JOBS=20 take the incident's 10 minutes (memory unbounded)."""
+    base = simulate_fixed(jobs_for(factor, entries, 1.0), 20, cores=CORES, memory=2**62)
+    return INCIDENT_MINUTES_AT_20 * 60 / base.makespan
+
+
+def matches_incident(factor: float, entries: list[ProfileEntry]) -> bool:
+    jobs = jobs_for(factor, entries, time_scale(factor, entries))
+    return (simulate_fixed(jobs, 32, cores=CORES, memory=MEMORY).oom_at is not None
+            and simulate_fixed(jobs, 20, cores=CORES, memory=MEMORY).oom_at is None)  # fmt: skip
+
+
+def fitted_factors(entries: list[ProfileEntry]) -> list[float]:
+    """Per-job peak factors (× the one-arch, one-thread peak) for which the replay matches the incident."""
+    return [f / 20 for f in range(40, 81) if matches_incident(f / 20, entries)]
+
+
+def run(label: str, factor: float, entries: list[ProfileEntry]) -> list[str]:
+    scale = time_scale(factor, entries)
+    jobs = jobs_for(factor, entries, scale)
     peaks = sorted(j.peak for j in jobs)
     lines = [
-        f"### model `{model}`: job peaks {peaks[0] / 1e9:.1f}–{peaks[-1] / 1e9:.1f} GB, "
-        f"time scale ×{scale:.2f}",
+        f"### {label}: per-job peak = one-arch peak × {factor:g} "
+        f"({peaks[0] / 1e9:.1f}–{peaks[-1] / 1e9:.1f} GB), time scale ×{scale:.2f}",
         "",
         "| strategy | OOM | makespan | jobs done before OOM | peak memory | max parallel |",
         "|---|---|---|---|---|---|",
     ]
-    results = {}
-    for max_jobs in range(1, 73):
-        results[max_jobs] = simulate_fixed(jobs, max_jobs, cores=CORES, memory=MEMORY)
+    results = {j: simulate_fixed(jobs, j, cores=CORES, memory=MEMORY) for j in range(1, 73)}
+    results[128] = simulate_fixed(jobs, 128, cores=CORES, memory=MEMORY)
     surviving = [j for j, r in results.items() if r.makespan is not None]
     best = min(surviving, key=lambda j: results[j].makespan) if surviving else None
-    shown = sorted({128, 64, 48, 32, 24, 20, 16, *([best] if best else [])}, reverse=True)
-    for max_jobs in shown:
-        r = results.get(max_jobs) or simulate_fixed(jobs, max_jobs, cores=CORES, memory=MEMORY)
-        label = f"MAX_JOBS={max_jobs}" + (" (best fixed)" if max_jobs == best else "")
-        lines.append(_row(label, r))
+    for max_jobs in sorted({128, 64, 48, 32, 24, 20, 16, *([best] if best else [])}, reverse=True):
+        label_j = f"MAX_JOBS={max_jobs}" + (" (best fixed)" if max_jobs == best else "")
+        lines.append(_row(label_j, results[max_jobs]))
     sched = simulate_scheduler(jobs, budget=MEMORY - HEADROOM, cores=CORES, memory=MEMORY)
     lines.append(_row("eyrie scheduler", sched))
     lines.append("")
     if sched.makespan and best:
-        lines.append(
-            f"scheduler / best fixed (MAX_JOBS={best}): {sched.makespan / results[best].makespan:.2f}×; "
-            f"scheduler / MAX_JOBS=20: {sched.makespan / results[20].makespan:.2f}×"
-            if results[20].makespan else ""
-        )  # fmt: skip
+        ratio = f"scheduler / best fixed (MAX_JOBS={best}): {sched.makespan / results[best].makespan:.2f}×"
+        if results[20].makespan:
+            ratio += f"; scheduler / MAX_JOBS=20: {sched.makespan / results[20].makespan:.2f}×"
+        lines.append(ratio)
     return lines
 
 
@@ -128,7 +141,6 @@ def _row(label: str, r) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["archs", "threads", "both"], default="both")
     parser.add_argument("--profiles", type=Path, default=SHIPPED_PROFILES)
     args = parser.parse_args()
     profile = Profile.load([args.profiles], default_peak=1)
@@ -137,9 +149,21 @@ def main() -> None:
         f"{len(entries)} measured files (sm_120, --threads 1): "
         + ", ".join(f"{e.source} {e.anon_peak_bytes / 2**30:.2f} GiB {e.wall_s:.0f} s" for e in entries)
     )
-    for model in ["archs", "threads"] if args.model == "both" else [args.model]:
+    fitted = fitted_factors(entries)
+    print(
+        "\nfactors reproducing the incident (MAX_JOBS 32 OOM, 20 passes): "
+        + (f"{fitted[0]:g}–{fitted[-1]:g}" if fitted else "none in 2–4")
+    )
+    models = [
+        ("model `archs` (nvcc runs min(threads, archs) = 2 archs at once)", float(min(THREADS, ARCHS))),
+        ("model `threads` (the incident's per-thread report: × threads = 4)", float(THREADS)),
+    ]
+    if fitted:
+        middle = fitted[len(fitted) // 2]
+        models.append(("model `fitted` (middle of the factors that reproduce the incident)", middle))
+    for label, factor in models:
         print()
-        print("\n".join(run(model, entries)))
+        print("\n".join(run(label, factor, entries)))
 
 
 if __name__ == "__main__":
