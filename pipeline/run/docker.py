@@ -1,0 +1,372 @@
+"""The Docker executor: each attempt is a sibling container with the step's memory limit.
+
+The container gets ``mem_limit`` = ``memswap_limit`` = the attempt's limit (a
+step never swaps), labels naming run, step and attempt, and the run directory
+mounted at the same path it has for the orchestrator. Evidence for the verdict,
+never Docker's ``OOMKilled`` flag or exit 137 alone (the flag is set when any
+process of the container was OOM-killed; 137 is any SIGKILL):
+
+- the container's own cgroup files, read from inside by its PID 1
+  (``pipeline.run.container_init``) with the local executor's monitor: the
+  OOM-kill counter before and after, the peak, the timeline, and the main
+  process's exact wait status;
+- the engine's ``oom`` events for the container, subscribed before it starts:
+  they stand in for the counter when the in-container report is missing (its
+  PID 1 was killed), and can only add kills, never remove them;
+- the outputs, judged by the orchestrator as for every executor.
+
+The orchestrator may itself run in a container (compose's ``pipeline``
+service, with the engine's socket mounted): then mounts are resolved from that
+container's own mounts, and the steps join its network and use its image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.run.executor import STDERR_TAIL_LINES, Launch, LineSink, Outcome
+from pipeline.run.manifest import RUN_DIR_ENV
+from pipeline.run.spec import PipelineError
+
+try:
+    import docker
+    import docker.errors
+    from docker.types import DeviceRequest, Mount
+except ImportError as exc:  # the `docker` extra
+    raise ImportError(f"{exc}; install it with `pip install 'eyrie[docker]'`") from exc
+
+DEFAULT_IMAGE = "eyrie-pipeline:latest"
+IMAGE_ENV = "EYRIE_IMAGE"
+NETWORK_ENV = "EYRIE_DOCKER_NETWORK"
+PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
+STOP_GRACE_S = 5.0
+EVENT_SETTLE_S = 2.0
+INIT = ["python3", "-m", "pipeline.run.container_init"]
+
+# The host's environment is not the container's: only these pass through from the
+# orchestrator's own environment (the runner's EYRIE_* and a step's `env:` always do).
+_PASS_PREFIXES = ("EYRIE_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "OPENAI_")
+_PASS_NAMES = {"http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"}
+# Set by the runner for local steps (its virtual environment first on PATH) or by the
+# host's shell; a container has its own.
+_HOST_NAMES = {"PATH", "HOME", "HOSTNAME", "PWD", "OLDPWD", "SHELL", "USER", "TMPDIR", "VIRTUAL_ENV"}
+
+
+def container_env(env: dict[str, str], own: dict[str, str] | None = None) -> dict[str, str]:
+    """What a step container gets of a launch's environment.
+
+    Everything the runner or the step set (absent from, or different in, the
+    orchestrator's own environment), plus the names the step's tools read; never
+    PATH, HOME, VIRTUAL_ENV and the like, which describe the host, not the image.
+    """
+    own = dict(os.environ) if own is None else own
+    return {
+        key: value
+        for key, value in env.items()
+        if key not in _HOST_NAMES
+        and (own.get(key) != value or key.startswith(_PASS_PREFIXES) or key in _PASS_NAMES)
+    }
+
+
+class _Lines:
+    """Reassembles a container's log chunks into lines: log file, sink, last lines kept."""
+
+    def __init__(self, chunks, log_path: Path, name: str, sink: LineSink | None) -> None:
+        self._chunks, self._name, self._sink = chunks, name, sink
+        self._log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.tail: list[str] = []
+        self._thread = threading.Thread(target=self._pump, name=f"logs-{name}", daemon=True)
+        self._thread.start()
+
+    def _emit(self, log, line: str) -> None:
+        log.write(line + "\n")
+        log.flush()
+        self.tail.append(line)
+        if len(self.tail) > STDERR_TAIL_LINES:
+            del self.tail[0]
+        if self._sink is not None:
+            self._sink(self._name, line)
+
+    def _pump(self) -> None:
+        pending = b""
+        with open(self._log_path, "a", encoding="utf-8", errors="replace") as log:
+            try:
+                for chunk in self._chunks:
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for raw in lines:
+                        self._emit(log, raw.decode("utf-8", errors="replace"))
+            except docker.errors.APIError as exc:
+                # the container went away mid-stream: what was read is kept, and the gap is said
+                self._emit(log, f"eyrie: log stream ended early: {exc}")
+            if pending:
+                self._emit(log, pending.decode("utf-8", errors="replace"))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+
+class _EngineEvents:
+    """The engine's ``oom`` and ``die`` events for one container, counted as they arrive."""
+
+    def __init__(self, client: docker.DockerClient, container_id: str) -> None:
+        self.ooms: list[float] = []
+        self.died = threading.Event()
+        self._stream = client.events(
+            decode=True, filters={"container": container_id, "event": ["oom", "die"]}
+        )
+        self._thread = threading.Thread(target=self._read, name="engine-events", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            # Closing the stream ends this iteration (the SDK turns the closed socket into StopIteration).
+            for event in self._stream:
+                if event.get("Action") == "oom":
+                    self.ooms.append(event.get("timeNano", time.time_ns()) / 1e9)
+                elif event.get("Action") == "die":
+                    self.died.set()
+        finally:
+            self.died.set()
+
+    def close(self) -> None:
+        # `die` comes after any `oom`: once it is seen, nothing more is pending.
+        self.died.wait(EVENT_SETTLE_S)
+        self._stream.close()
+
+
+class DockerAttempt:
+    def __init__(self, executor: DockerExecutor, launch: Launch, container, report: Path) -> None:
+        self.launch = launch
+        self.container = container
+        self.where = container.id
+        self._executor = executor
+        self._report = report
+        self._stopped_by: str | None = None
+        self._status: dict[str, Any] | None = None
+        self._ended = threading.Event()
+        self.events = _EngineEvents(executor.client, container.id)
+        self.started_at = time.time()
+        container.start()
+        container.reload()
+        self.pid: int | None = container.attrs["State"].get("Pid") or None
+        api = executor.client.api
+        self._out = _Lines(api.logs(container.id, stdout=True, stderr=False, stream=True, follow=True),
+                           launch.stdout_path, "stdout", launch.on_line)  # fmt: skip
+        self._err = _Lines(api.logs(container.id, stdout=False, stderr=True, stream=True, follow=True),
+                           launch.stderr_path, "stderr", launch.on_line)  # fmt: skip
+        threading.Thread(target=self._wait_container, name=f"wait-{container.name}", daemon=True).start()
+
+    def _wait_container(self) -> None:
+        while True:
+            try:
+                self._status = self.container.wait()
+                break
+            except docker.errors.NotFound:
+                self._status = {"StatusCode": None}
+                break
+            except Exception:  # noqa: BLE001 - a read timeout on a long step: wait again
+                time.sleep(0.5)
+        self._ended.set()
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        if not self._ended.wait(timeout):
+            return None
+        ended_at = time.time()
+        self._out.join(5)
+        self._err.join(5)
+        self.events.close()
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        return self._outcome(ended_at)
+
+    def _outcome(self, ended_at: float) -> Outcome:
+        try:
+            facts = json.loads(self._report.read_text(encoding="utf-8"))
+            self._report.unlink()
+        except (FileNotFoundError, ValueError):
+            facts = None
+        engine_ooms = len(self.events.ooms)
+        first_oom = min(self.events.ooms) if self.events.ooms else None
+        if facts is None:
+            # PID 1 itself died (killed after the stop grace, or by the OOM killer): only the
+            # engine's view is left. Its exit status is PID 1's, a signal when above 128.
+            code = (self._status or {}).get("StatusCode")
+            return Outcome(
+                exit_code=code if code is not None and code < 128 else None,
+                signal=code - 128 if code is not None and code > 128 else None,
+                oom_kills_before=0,
+                oom_kills_after=engine_ooms,
+                oom_at=first_oom,
+                peak_bytes=None,
+                anon_peak_bytes=None,
+                started_at=self.started_at,
+                ended_at=ended_at,
+                stopped_by=self._stopped_by,
+                stderr_tail=list(self._err.tail),
+                where=self.where,
+            )
+        before, after = facts["oom_kills_before"], facts["oom_kills_after"]
+        after = max(after, before + engine_ooms)
+        return Outcome(
+            exit_code=facts["exit_code"],
+            signal=facts["signal"],
+            oom_kills_before=before,
+            oom_kills_after=after,
+            oom_at=facts["oom_at"] or first_oom,
+            peak_bytes=facts["peak_bytes"],
+            anon_peak_bytes=facts["anon_peak_bytes"],
+            started_at=self.started_at,  # before the container started: its start-up is the step's time too
+            ended_at=facts["ended_at"],
+            timeline=[tuple(point) for point in facts["timeline"]],
+            stopped_by=self._stopped_by,
+            stderr_tail=list(self._err.tail),
+            where=self.where,
+        )
+
+    def stop(self, reason: str) -> None:
+        self._stopped_by = self._stopped_by or reason
+        try:
+            self.container.kill(signal="SIGTERM")  # PID 1 passes it to every process
+        except docker.errors.APIError:
+            return  # already gone
+        if not self._ended.wait(STOP_GRACE_S):
+            try:
+                self.container.kill(signal="SIGKILL")
+            except docker.errors.APIError:
+                pass
+
+
+class DockerExecutor:
+    """Runs attempts as sibling containers through the engine's API (``DOCKER_HOST`` or the socket)."""
+
+    name = "docker"
+
+    def __init__(self, client: docker.DockerClient | None = None, image: str | None = None) -> None:
+        try:
+            self.client = client or docker.from_env()
+            self.client.ping()
+        except docker.errors.DockerException as exc:
+            raise PipelineError(
+                f"cannot reach the Docker engine ({exc}); start dockerd, or mount its socket "
+                "(/var/run/docker.sock) into this container, or set DOCKER_HOST"
+            ) from None
+        self._own = self._own_container()
+        own_image = self._own.image.id if self._own is not None else None
+        self.image = image or os.environ.get(IMAGE_ENV) or own_image or DEFAULT_IMAGE
+
+    def _own_container(self):
+        """The container this process runs in, when it runs in one the engine knows."""
+        if not Path("/.dockerenv").exists():
+            return None
+        try:
+            return self.client.containers.get(socket.gethostname())
+        except docker.errors.APIError:
+            return None
+
+    # -- mounts and network --------------------------------------------------------------
+    def _mount_for(self, path: Path, *, read_only: bool, required: bool) -> Mount | None:
+        """A mount that shows ``path`` in a step container at the same path as here."""
+        if self._own is None:
+            return Mount(target=str(path), source=str(path), type="bind", read_only=read_only)
+        best = None
+        for mount in self._own.attrs.get("Mounts", []):
+            dest = Path(mount["Destination"])
+            if (path == dest or dest in path.parents) and (
+                best is None or len(dest.parts) > len(Path(best["Destination"]).parts)
+            ):
+                best = mount
+        if best is None:
+            if required:
+                raise PipelineError(
+                    f"{path} is not on a volume or bind mount of this container, so step containers "
+                    "cannot see it; put the run directory on a volume (compose: the `runs` volume)"
+                )
+            return None  # inside this container's image: the step image has it too
+        source = best["Name"] if best["Type"] == "volume" else best["Source"]
+        return Mount(target=best["Destination"], source=source, type=best["Type"], read_only=read_only)
+
+    def _network(self) -> str | None:
+        if os.environ.get(NETWORK_ENV):
+            return os.environ[NETWORK_ENV]
+        if self._own is None:
+            return None
+        networks = self._own.attrs["NetworkSettings"]["Networks"]
+        return next(iter(networks), None)
+
+    # -- executor interface --------------------------------------------------------------
+    def start(self, launch: Launch) -> DockerAttempt:
+        image = launch.image or self.image
+        try:
+            self.client.images.get(image)
+        except docker.errors.ImageNotFound:
+            raise PipelineError(
+                f"step {launch.step}: image {image!r} is not on this Docker engine; "
+                "build it with `make images` (or `make images base=local`)"
+            ) from None
+        run_dir = Path(launch.env.get(RUN_DIR_ENV) or launch.cwd.parent).resolve()
+        os.makedirs(launch.cwd, exist_ok=True)
+        launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        report = launch.stderr_path.with_name(f"attempt-{launch.attempt}.container.json")
+        report.unlink(missing_ok=True)
+        if run_dir not in report.parents:
+            raise PipelineError(f"the attempt's log folder {report.parent} is not inside {run_dir}")
+
+        mounts = [self._mount_for(run_dir, read_only=False, required=True)]
+        pipeline_dir = launch.env.get(PIPELINE_DIR_ENV)
+        if pipeline_dir and run_dir not in Path(pipeline_dir).resolve().parents:
+            mounts.append(self._mount_for(Path(pipeline_dir).resolve(), read_only=True, required=False))
+        unique = {m["Target"]: m for m in mounts if m is not None}
+
+        device_requests = (
+            [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None
+        )
+        name = f"eyrie-{launch.run_id}-{launch.step}-{launch.attempt}"
+        stale = self.client.containers.list(all=True, filters={"name": f"^/{name}$"})
+        for container in stale:  # left by a runner that died with the same run id
+            container.remove(force=True)
+        container = self.client.containers.create(
+            image,
+            entrypoint=[*INIT, str(report), "--"],
+            command=list(launch.argv),
+            name=name,
+            working_dir=str(launch.cwd),
+            environment=container_env(launch.env),
+            user=f"{os.getuid()}:{os.getgid()}",  # files in the run dir belong to the runner's user
+            mem_limit=launch.limit_bytes,
+            memswap_limit=launch.limit_bytes,
+            labels={
+                "eyrie.run": launch.run_id,
+                "eyrie.step": launch.step,
+                "eyrie.attempt": str(launch.attempt),
+            },
+            mounts=list(unique.values()),
+            network=self._network(),
+            device_requests=device_requests,
+            stdin_open=False,
+            tty=False,
+            detach=True,
+        )
+        try:
+            return DockerAttempt(self, launch, container, report)
+        except Exception:
+            container.remove(force=True)
+            raise
+
+    def reap(self, where: str) -> int:
+        try:
+            container = self.client.containers.get(where)
+        except docker.errors.NotFound:
+            return 0
+        running = container.status == "running"
+        container.remove(force=True)
+        return 1 if running else 0

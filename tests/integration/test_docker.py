@@ -1,0 +1,164 @@
+"""Real containers on a real Docker engine: the scenario suite and the compose pipeline.
+
+The images are built once per session with `make images base=local` (Docker's
+layer cache makes a rebuild in the same CI run cheap). Without a reachable
+engine these tests skip, unless EYRIE_REQUIRE_DOCKER=1 (set by .ci/docker.sh),
+where a missing engine is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, SCENARIOS, attempts_json, eyrie
+
+# The first test builds the images (cold: several minutes on 2 cores); later ones reuse them.
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
+IMAGE = "eyrie-pipeline:local"
+COMPOSE = ["docker", "compose", "-f", "compose/compose.yaml", "-f", "compose/compose.cpu.yaml"]
+IMAGE_UID = 10001  # the pipeline image's user (images/pipeline/Dockerfile)
+
+
+def _engine_problem() -> str | None:
+    if shutil.which("docker") is None:
+        return "the docker command line is not installed"
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if info.returncode != 0:
+        return f"no Docker engine answers: {info.stderr.strip().splitlines()[-1:]}"
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        return "the Compose v2 plugin is not installed"
+    return None
+
+
+@pytest.fixture(scope="session")
+def images() -> str:
+    problem = _engine_problem()
+    if problem:
+        if os.environ.get("EYRIE_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"EYRIE_REQUIRE_DOCKER=1 but {problem}")
+        pytest.skip(problem)
+    build = subprocess.run(["make", "images", "base=local"], cwd=REPO, capture_output=True, text=True,
+                           timeout=1800)  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return IMAGE
+
+
+def _docker_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "EYRIE_IMAGE": IMAGE, **extra}
+
+
+def _eyrie_docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_docker_env(),
+    )  # fmt: skip
+
+
+def _facts(run_dir: Path) -> dict[str, tuple]:
+    return {
+        a["step"]: (a["verdict"], a["exit_code"], a["signal"], a["oom_kills"])
+        for a in attempts_json(run_dir)
+    }
+
+
+@pytest.mark.usefixtures("real_cgroups")
+def test_docker_executor_gives_the_local_executors_verdicts(images, tmp_path):
+    local_dir, docker_dir = tmp_path / "local", tmp_path / "docker"
+    eyrie("run", str(SCENARIOS), "--run-dir", str(local_dir))
+    result = _eyrie_docker("run", str(SCENARIOS), "--run-dir", str(docker_dir), "--executor", "docker")
+    assert result.returncode == 1, result.stdout + result.stderr  # some steps fail on purpose
+    local, docker = _facts(local_dir), _facts(docker_dir)
+    assert docker == local
+    # the verdicts are the table's, not merely equal to each other
+    assert docker["oom_killed"] == ("oom_killed", None, 9, 1)
+    assert docker["child_oom_killed"] == ("child_oom_killed", 0, None, 1)  # OOMKilled flag is set
+    assert docker["crashed_kill9"] == ("crashed", None, 9, 0)  # exit 137 without the OOM killer
+    assert docker["completed_then_crashed"][0] == "completed_then_crashed"
+
+    attempts = {a["step"]: a for a in attempts_json(docker_dir)}
+    assert all(a["executor"] == "docker" for a in attempts.values())
+    assert attempts["oom_killed"]["peak_bytes"] >= 90 * 2**20  # the container's cgroup, read inside
+    assert attempts["oom_killed"]["limit_bytes"] == 96 * 2**20
+    assert attempts["succeeded"]["location"], "the container id is recorded"
+    logs = docker_dir / ".eyrie" / "logs" / "failed" / "attempt-1.stderr.log"
+    assert "ValueError: row 17" in logs.read_text()
+    leftovers = subprocess.run(["docker", "ps", "-aq", "--filter", "label=eyrie.run"],
+                               capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert leftovers == [], "every step container is removed once its evidence is read"
+
+
+def test_step_containers_carry_limit_labels_and_the_run_dir(images, tmp_path):
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("""
+steps:
+  - name: inspect
+    command: [sh, -c, "cat /proc/self/cgroup > cgroup.txt; sleep 3; echo ok > done.txt"]
+    memory: 80MiB
+    outputs: [done.txt]
+""")
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir),
+         "--executor", "docker"],
+        cwd=REPO, env=_docker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    found: list[str] = []
+    while time.monotonic() < deadline and not found:
+        found = subprocess.run(["docker", "ps", "-q", "--filter", "label=eyrie.step=inspect"],
+                               capture_output=True, text=True).stdout.split()  # fmt: skip
+        time.sleep(0.2)
+    assert found, "no running container labelled with the step"
+    inspect = json.loads(subprocess.run(["docker", "inspect", found[0]], capture_output=True, text=True,
+                                        check=True).stdout)[0]  # fmt: skip
+    output = runner.communicate(timeout=120)[0]
+    assert runner.returncode == 0, output
+    host = inspect["HostConfig"]
+    assert host["Memory"] == host["MemorySwap"] == 80 * 2**20
+    labels = inspect["Config"]["Labels"]
+    assert labels["eyrie.step"] == "inspect" and labels["eyrie.attempt"] == "1" and labels["eyrie.run"]
+    assert any(m["Destination"] == str(run_dir) for m in inspect["Mounts"])
+    assert (run_dir / "inspect" / "done.txt").read_text() == "ok\n"
+    cgroups = (run_dir / "inspect" / "cgroup.txt").read_text()
+    # v1 shows the container's cgroup by its id; v2 with a private cgroup namespace shows its root
+    assert inspect["Id"] in cgroups or cgroups.strip().endswith("::/"), cgroups
+
+
+def test_compose_cpu_pipeline_runs_every_step_to_success(images, tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    os.chown(runs, IMAGE_UID, IMAGE_UID)  # the pipeline container runs as the image's user
+    project = f"eyrie-test-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "EYRIE_RUNS": str(runs),
+        "EYRIE_RUN_NAME": "ci",
+        "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
+        "COMPOSE_PROJECT_NAME": project,
+    }
+    try:
+        up = subprocess.run([*COMPOSE, "up", "pipeline", "--exit-code-from", "pipeline"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=1200)  # fmt: skip
+        assert up.returncode == 0, up.stdout[-6000:] + up.stderr[-3000:]
+        attempts = attempts_json(runs / "ci")
+        assert attempts, up.stdout[-3000:]
+        assert {a["verdict"] for a in attempts} == {"succeeded"}, attempts
+        assert all(a["executor"] == "docker" for a in attempts)
+        demo = REPO / "pipeline" / "embedded" / "demo.yaml"
+        steps = [s["name"] for s in yaml.safe_load(demo.read_text())["steps"]]
+        assert sorted({a["step"] for a in attempts}) == sorted(steps)
+        status = eyrie("status", "--run-dir", str(runs / "ci"), check=True).stdout
+        assert "succeeded" in status
+    finally:
+        subprocess.run([*COMPOSE, "down", "--volumes", "--remove-orphans"], cwd=REPO, env=env,
+                       capture_output=True, timeout=120)  # fmt: skip
