@@ -21,13 +21,13 @@ from pipeline.build.flash_attn import (
 from pipeline.build.profile import Profile, ProfileEntry
 
 GiB = 2**30
-SETUP_PY = '''
+SETUP_PY = """
 ext_modules.append(CUDAExtension(name="flash_attn_2_cuda", sources=[
     "csrc/flash_attn/flash_api.cpp",
     "csrc/flash_attn/src/flash_fwd_hdim32_fp16_sm80.cu",
     "csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm80.cu",
 ]))
-'''
+"""
 
 
 def tree(tmp_path: Path) -> Path:
@@ -98,3 +98,15 @@ def test_build_env_keeps_flash_attns_limiter_out_and_sends_nvcc_to_the_broker(tm
     assert env["MAX_JOBS"] == "8" and env["PYTORCH_NVCC"] == "wrapper"
     assert env["FLASH_ATTN_CUDA_ARCHS"] == "100;120" and env["NVCC_THREADS"] == "2"
     assert env["FLASH_ATTENTION_FORCE_BUILD"] == "TRUE"
+
+
+def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
+    from pipeline.build.flash_attn import resolve_budget
+    from pipeline.memory import memory_budget
+
+    budget, basis = resolve_budget("auto", GiB)
+    assert abs(budget - (memory_budget().available - GiB)) < 512 * 2**20  # usage moves meanwhile
+    assert "headroom" in basis
+    assert resolve_budget("12GiB", GiB) == (12 * GiB, "given with --budget")
+    with pytest.raises(BuildError, match="less than the .* headroom"):
+        resolve_budget("auto", 2**50)
