@@ -238,6 +238,7 @@ def prep(
         for r in failed:
             reason = r.error or f"source {r.name!r}: 0 records accepted out of {r.read} read"
             console.print(f"[red]error:[/] {escape(reason)}", soft_wrap=True)
+        shutil.rmtree(parts, ignore_errors=True)
         console.print(f"[red]prep failed:[/] {len(failed)} of {len(results)} sources; no output written")
         return 1
 

@@ -82,7 +82,7 @@ def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
     assert "source 'math': the first 30 rows gave no record with adapter 'messages'" in err
     assert "rows have keys [answer, question]" in err and "expects 'messages'" in err
     assert "missing_field 30" in err
-    assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json"])
+    assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json", ".parts"])
 
 
 def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys):
