@@ -199,6 +199,10 @@ def _run(
                             key, _, line = conversation_record(adapted, source)
                     except Reject as reject:
                         rejected[reject.reason] += 1
+                    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+                        # a row shaped unlike anything the adapter knows (a role that is a list, a
+                        # number where text belongs): counted under the exception, never silent
+                        rejected[f"malformed_{type(exc).__name__}"] += 1
                     else:
                         if key in seen:
                             result.duplicates += 1

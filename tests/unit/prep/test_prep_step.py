@@ -164,3 +164,17 @@ def test_a_source_that_cannot_be_read_is_named_and_nothing_is_written(tmp_path, 
     assert "error: source 'hub' (openai/gsm8k):" in err
     assert "prep failed: 2 of 3 sources; no output written" in err
     assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json"])
+
+
+def test_malformed_rows_are_counted_not_fatal(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    good = {"messages": [{"role": "user", "content": "hello there"}]}
+    odd = {"messages": [{"role": ["user"], "content": "a role that is a list"}]}
+    not_text = {"messages": [{"role": "user", "content": {"nested": "dict"}}]}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [good, odd, not_text]))
+    catalog = write_catalog(tmp_path, [{"name": "odd", "data": str(rows), "format": "messages"}])
+    out = tmp_path / "out"
+    assert prep(catalog, out) == 0
+    stats = read_manifest(out).stats["sources"]["odd"]
+    assert stats["accepted"] == 1
+    assert stats["rejected"] == {"malformed_TypeError": 1, "non_text_content": 1}
