@@ -156,6 +156,9 @@ def generate(
     serve: Annotated[
         Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
     ] = None,
+    continuous_batching: Annotated[
+        bool, typer.Option(help="With --serve: decode requests in flight together (paged attention).")
+    ] = False,
     model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
     mode: Annotated[str, typer.Option(help="'last_turn' or 'all_turns'.")] = "last_turn",
     concurrency: Annotated[int, typer.Option(help="Requests in flight per server.")] = 32,
@@ -186,7 +189,8 @@ def generate(
 
     raise typer.Exit(
         generate_command(
-            prompts, urls=url or [], serve=serve, model=model, mode=mode, concurrency=concurrency,
+            prompts, urls=url or [], serve=serve, continuous_batching=continuous_batching, model=model,
+            mode=mode, concurrency=concurrency,
             temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
             chat_template_kwargs=chat_template_kwargs, drop_truncated=drop_truncated,
             retry_errors=retry_errors, max_retries=max_retries, retry_base=retry_base,

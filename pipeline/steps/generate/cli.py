@@ -38,6 +38,7 @@ def generate_command(
     *,
     urls: list[str],
     serve: Path | None,
+    continuous_batching: bool,
     model: str | None,
     mode: str,
     concurrency: int,
@@ -95,7 +96,10 @@ def generate_command(
             try:
                 url = stack.enter_context(
                     transformers_serve(
-                        serve, config.out_dir / "serve.log", startup_timeout_s=config.health_timeout_s
+                        serve,
+                        config.out_dir / "serve.log",
+                        startup_timeout_s=config.health_timeout_s,
+                        continuous_batching=continuous_batching,
                     )  # fmt: skip
                 )
             except ServeError as exc:

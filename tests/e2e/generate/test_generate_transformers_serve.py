@@ -35,12 +35,13 @@ def tiny_target(tmp_path_factory):
     return ensure_tiny_target(tmp_path_factory.mktemp("target") / "model")
 
 
-def test_generate_serves_the_tiny_target_and_stops_the_server(tmp_path, tiny_target):
+@pytest.mark.parametrize("batching", ["--no-continuous-batching", "--continuous-batching"])
+def test_generate_serves_the_tiny_target_and_stops_the_server(tmp_path, tiny_target, batching):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ROWS)
     out = tmp_path / "out"
     result = run_generate(
-        prompts, out, extra=("--serve", str(tiny_target), "--mode", "all_turns", "--max-tokens", "16",
-                             "--seed", "7", "--concurrency", "2", "--health-timeout", "5m"),
+        prompts, out, extra=("--serve", str(tiny_target), batching, "--mode", "all_turns", "--max-tokens",
+                             "16", "--seed", "7", "--concurrency", "2", "--health-timeout", "5m"),
         timeout=400,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
