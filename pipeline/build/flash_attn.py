@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from pipeline.build.broker import BuildBroker, BuildReport
 from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile
 from pipeline.memory import memory_budget
@@ -209,7 +211,7 @@ def cuda_sources(source: Path) -> list[str]:
 
 # -- the build ------------------------------------------------------------------------------
 def load_profile(archs: tuple[str, ...], threads: int, extra: list[Path] | None = None) -> Profile:
-    default = min(DEFAULT_JOB_PEAK_PER_ARCH * min(threads, len(archs)), 2**62)
+    default = DEFAULT_JOB_PEAK_PER_ARCH * min(threads, len(archs))
     return Profile.load([SHIPPED_PROFILES, *(extra or [])], default_peak=default)
 
 
@@ -262,15 +264,29 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
             f"{plan.threads}, budget {plan.budget / 2**30:.2f} GiB ({plan.budget_basis}), "
             f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}")  # fmt: skip
         setup_log = run_dir / "setup.log"
-        with open(setup_log, "w", encoding="utf-8") as fh:
-            done = subprocess.run(
+        with open(setup_log, "w", encoding="utf-8") as fh, Progress(
+            TextColumn("nvcc jobs"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+            TimeElapsedColumn(), transient=False,
+        ) as progress:  # fmt: skip
+            task = progress.add_task("", total=len(sources))
+            setup = subprocess.Popen(
                 [plan.toolchain.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                  "--wheel-dir", wheel_dir, "--verbose", str(plan.source)],
                 env=build_env(plan, broker.env(), lookahead), stdout=fh, stderr=subprocess.STDOUT,
             )  # fmt: skip
+            while setup.poll() is None:
+                time.sleep(1)
+                report = broker.report()
+                done_jobs = sum(j.exit_code == 0 for j in report.jobs)
+                progress.update(task, completed=done_jobs, description=(
+                    f"{broker.scheduler.reserved / 2**30:.1f}/{plan.budget / 2**30:.1f} GiB reserved, "
+                    f"{len(broker.scheduler.running)} running, "
+                    f"{report.oom_kills} OOM-killed and re-run"))  # fmt: skip
         report = broker.report()
+        profile.save(run_dir / "profile.json", note=f"measured by run {broker.run_id}",
+                     only_nvcc=plan.toolchain.nvcc_version)  # fmt: skip
         wheels = list(Path(wheel_dir).glob("flash_attn-*.whl"))
-        if done.returncode != 0 or not wheels:
+        if setup.returncode != 0 or not wheels:
             reason = broker.fatal or _last_error(setup_log)
             raise BuildError(f"the flash-attn build failed: {reason}; full log: {setup_log}; "
                              f"per-job attempts: eyrie status --run-dir {run_dir}")  # fmt: skip
@@ -282,8 +298,6 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
                      "oom_kills": report.oom_kills, "jobs": len(report.jobs),
                      "peak_reserved": report.peak_reserved, "run_id": broker.run_id}  # fmt: skip
             (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
-        profile.save(run_dir / "profile.json", note=f"measured by run {broker.run_id}",
-                     only_nvcc=plan.toolchain.nvcc_version)  # fmt: skip
     return target_dir / wheels[0].name, report
 
 
