@@ -248,10 +248,24 @@ def build_env(plan: Plan, broker_env: dict[str, str], lookahead: int) -> dict[st
     }
 
 
+def check_cxx_standard(plan: Plan) -> None:
+    """torch 2.14's headers need C++20 (``operator<=>`` in c10); flash-attn ≤ 2.8.3 compiles with
+    ``-std=c++17``. Found in this project's own build: every job fails at its first include."""
+    setup = (plan.source / "setup.py").read_text(encoding="utf-8")
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", plan.toolchain.torch)[:2])
+    if "-std=c++17" in setup and "-std=c++20" not in setup and major_minor >= (2, 14):
+        raise BuildError(
+            f"torch {plan.toolchain.torch}'s headers need C++20, but flash-attn {plan.version}'s setup.py "
+            "compiles with -std=c++17: build against torch 2.13 (e.g. torch==2.13.0 from the PyTorch "
+            "cu130 index) or a flash-attn release that moved to C++20"
+        )
+
+
 def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
               log=print) -> tuple[Path, BuildReport]:  # fmt: skip
     """Compile and link the wheel; returns its path in the cache and the build's report."""
     sources = cuda_sources(plan.source)
+    check_cxx_standard(plan)
     check_budget(plan, profile, sources)
     lookahead = min(len(sources) or 1, max(8, 4 * plan.cpu_slots))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -110,3 +110,17 @@ def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
     assert resolve_budget("12GiB", GiB) == (12 * GiB, "given with --budget")
     with pytest.raises(BuildError, match="less than the .* headroom"):
         resolve_budget("auto", 2**50)
+
+
+def test_torch_headers_that_need_cpp20_are_refused_for_a_cpp17_setup(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from pipeline.build.flash_attn import check_cxx_standard
+
+    src = tree(tmp_path)
+    (src / "setup.py").write_text(SETUP_PY + 'nvcc_flags = ["-O3", "-std=c++17"]\n')
+    check_cxx_standard(plan(src, GiB))  # torch 2.13: C++17 headers
+    newer = plan(src, GiB)
+    newer = replace(newer, toolchain=replace(newer.toolchain, torch="2.14.1+cu130"))
+    with pytest.raises(BuildError, match="torch 2.14.1\\+cu130's headers need C\\+\\+20"):
+        check_cxx_standard(newer)
