@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socketserver
 import sys
 import tempfile
@@ -211,9 +212,11 @@ class BuildBroker:
         attempt = self.ledger.next_attempt_number(job.name)
         logs = self.run_dir / "logs"
         stem = f"{Path(record.key.source).stem}.{attempt}"
+        # nvcc leaves its intermediates in TMPDIR when it is killed: one folder per attempt, removed after.
+        scratch = tempfile.mkdtemp(prefix=f"eyrie-nvcc-{stem}-")
         launch = Launch(
             run_id=self.run_id, step=job.name, attempt=attempt, argv=[self.nvcc, *argv],
-            cwd=Path(request["cwd"]), env=request["env"], limit_bytes=job.reservation,
+            cwd=Path(request["cwd"]), env={**request["env"], "TMPDIR": scratch}, limit_bytes=job.reservation,
             stdout_path=logs / f"{stem}.out", stderr_path=logs / f"{stem}.err",
         )  # fmt: skip
         meminfo = read_meminfo()
@@ -223,13 +226,21 @@ class BuildBroker:
             host_mem_available=meminfo.get("MemAvailable", 0),
             host_mem_total=meminfo.get("MemTotal", 0), image=None, commit_id=None,
         )  # fmt: skip
-        running = self.executor.start(launch)
+        try:
+            running = self.executor.start(launch)
+        except Exception as exc:
+            reason = f"could not start: {exc}"
+            self.ledger.end_attempt(attempt_id, verdict=Verdict.FAILED.value, reason=reason,
+                                    fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         self._running.add(running)
         self.ledger.attempt_started(attempt_id, running.pid, running.where)
         try:
             outcome: Outcome = running.wait()
         finally:
             self._running.discard(running)
+            shutil.rmtree(scratch, ignore_errors=True)
         output_file = _output_of(argv, Path(request["cwd"]))
         complete = outcome.exit_code == 0 and output_file is not None and output_file.is_file()
         decision = decide(outcome, complete, f"{output_file} written" if complete else "no object file")
