@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +116,4 @@ def verify_command(host: str | None, inventory: Path | None, extra: list[str]) -
         *target,
         *extra,
     ]
-    env = dict(os.environ)
-    if inventory is not None:
-        env["EYRIE_INVENTORY"] = str(inventory.resolve())
-    return subprocess.run(command, cwd=REPO, env=env).returncode
+    return subprocess.run(command, cwd=REPO).returncode

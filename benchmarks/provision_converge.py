@@ -1,0 +1,58 @@
+"""How long the CI converge of the provisioning roles takes, phase by phase.
+
+Starts the same test host as tests/integration/test_provision_converge.py (a
+Debian 12 container with systemd and sshd, stand-in packages from local signed
+repositories), then times: first converge, second converge (must change
+nothing), check mode, and the testinfra suite (`eyrie verify`).
+
+    .venv/bin/python -m benchmarks.provision_converge
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "fixtures" / "provision"))
+
+from ci_host import ci_host, docker_engine_missing  # noqa: E402
+
+from pipeline.provision import provision  # noqa: E402
+
+
+def main() -> int:
+    reason = docker_engine_missing()
+    if reason:
+        print(f"provision_converge: {reason}", file=sys.stderr)
+        return 1
+    rows: list[tuple[str, float, str]] = []
+    with tempfile.TemporaryDirectory(prefix="eyrie-bench-provision-") as tmp, ci_host(Path(tmp)) as host:
+        for phase, seconds in host.timings.items():
+            rows.append((phase, seconds, "cached on reruns" if phase != "host start" else ""))
+        for phase, check in (("first converge", False), ("second converge", False), ("check mode", True)):
+            started = time.monotonic()
+            result = provision(inventory=host.inventory, data_dir=host.data_dir, check=check)
+            elapsed = time.monotonic() - started
+            if not result.succeeded:
+                print(f"{phase} failed: {[f.line() for f in result.failures]}", file=sys.stderr)
+                return 1
+            rows.append((phase, elapsed, f"{result.changed()} changed"))
+        started = time.monotonic()
+        verify = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "verify", "--inventory", str(host.inventory)],
+            cwd=REPO, capture_output=True, text=True,
+        )  # fmt: skip
+        summary = verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-200:]
+        rows.append(("eyrie verify (testinfra)", time.monotonic() - started, summary.strip("= ")))
+    print("| phase | seconds | result |\n|---|---|---|")
+    for phase, seconds, note in rows:
+        print(f"| {phase} | {seconds:.1f} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
