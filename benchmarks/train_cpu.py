@@ -1,0 +1,69 @@
+"""Training step on CPU: draft training tokens/s, process peak memory, and acceptance at K=7.
+
+Uses the embedded tiny target and its self-distilled shards (built and cached on
+first use). Prints one JSON line per configuration.
+
+    .venv/bin/python -m benchmarks.train_cpu --steps 150 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
+from pipeline.steps.train.evaluate import real_acceptance
+from pipeline.steps.train.features import OnlineTarget
+from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(
+            data=ensure_distilled_shards(), target=ensure_tiny_target(), out=Path(out),
+            draft_vocab_size=2048, ttt_steps=7, lr=3e-3, batch_size=args.batch_size,
+            max_steps=args.steps, heldout_fraction=0.15, checkpoint_every=10**9,
+            threads=args.threads,
+        )  # fmt: skip
+        started = time.monotonic()
+        result = train(cfg, log=lambda _: None)
+        train_s = time.monotonic() - started
+        target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
+        source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
+        simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
+        started = time.monotonic()
+        real = real_acceptance(
+            target, draft, heldout[: args.eval_prompts], cfg.ttt_steps, 64, target.config.eos_token_id
+        )
+        decode_s = time.monotonic() - started
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "steps": args.steps,
+                "train_s": round(train_s, 1),
+                "train_tokens_per_s": result["summary"]["tokens_per_s_this_run"],
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                "acc": [round(a, 3) for a in simulated["acc"]],
+                "simulated_acceptance_length": round(simulated["acceptance_length"], 2),
+                "real_acceptance_length": round(real["acceptance_length"], 2),
+                "verify_forwards": real["verify_forwards"],
+                "decode_s": round(decode_s, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
