@@ -150,7 +150,11 @@ def build(cfg: TrainConfig, device: torch.device):
     return target, source, draft.to(device), train_rows, heldout
 
 
-def train(cfg: TrainConfig, log=print) -> dict:
+def _log(message: str) -> None:
+    print(message, flush=True)  # the runner's log is a pipe: unflushed lines would arrive at exit
+
+
+def train(cfg: TrainConfig, log=_log) -> dict:
     """Run (or resume) training to the planned number of steps; return the run's summary."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
