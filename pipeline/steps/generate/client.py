@@ -1,8 +1,8 @@
 """Chat requests to one or more OpenAI-compatible servers (SGLang, sglang-router, transformers serve).
 
-aiohttp, not httpx: on the 2-core machines this project is tested on, httpx's async
-client completed 180–720 requests/s against a server that answers instantly, aiohttp
-over 2,500 (benchmarks/README.md), and it is what ``sglang.bench_serving`` uses.
+aiohttp, not httpx: against a server that answers at once, httpx's AsyncClient spent
+~2.8 ms of CPU per request on the 2-core test machine and aiohttp ~0.2 ms
+(benchmarks/README.md); it is also what ``sglang.bench_serving`` uses.
 
 Each request goes to the server with the fewest requests outstanding. Transient
 failures (connection refused or reset, timeouts, 429, 5xx) are retried with
