@@ -17,6 +17,8 @@ from pipeline.steps.generate.conversation import MODES
 from pipeline.steps.generate.driver import EXIT_BAD_INPUT, GenerateConfig, Sampling, generate
 from pipeline.steps.generate.serve import ServeError, transformers_serve
 
+TARGET_URL_ENV = "EYRIE_TARGET_URL"
+
 
 def read_api_key(env_name: str | None, key_file: Path | None) -> str | None:
     """The key from ``key_file`` if given, else from ``$env_name``; never printed or stored."""
@@ -62,8 +64,13 @@ def generate_command(
     try:
         if mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if not urls and not serve and os.environ.get(TARGET_URL_ENV):
+            # The compose file's pipeline service names the SGLang server for every step.
+            urls = os.environ[TARGET_URL_ENV].split(",")
         if bool(urls) == bool(serve):
-            raise ValueError("give the server with --url (one or more), or a model folder with --serve")
+            raise ValueError(
+                f"give the server with --url or ${TARGET_URL_ENV}, or a model folder with --serve"
+            )
         if concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
         template_kwargs: dict[str, Any] | None = None

@@ -225,3 +225,16 @@ def test_bad_input_is_one_clear_line(tmp_path, fake_server):
     result = run_generate(bad, tmp_path / "out", server.url)
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_server_url_from_the_environment_as_in_the_compose_pipeline(tmp_path, fake_server):
+    server = fake_server()
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 10)
+    result = run_generate(prompts, tmp_path / "out", env={"EYRIE_TARGET_URL": server.url})
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "out" / "conversations.jsonl")) == 10
+    neither = run_generate(prompts, tmp_path / "out2", env={"EYRIE_TARGET_URL": ""})
+    assert (
+        neither.returncode == 2
+        and "--url or $EYRIE_TARGET_URL, or a model folder with --serve" in neither.stderr
+    )
