@@ -76,3 +76,27 @@ def test_kill_9_at_random_points_then_rerun_yields_each_id_exactly_once(tmp_path
     ok, why = check_manifest(out, ["conversations.jsonl", "errors.jsonl"])
     assert ok, why
     assert not partial.exists()
+
+
+def test_sigterm_stops_cleanly_keeps_rows_and_a_rerun_finishes(tmp_path, fake_server):
+    server = fake_server("--slow-rate", "1", "--slow-s", "0.05")
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 2000)
+    out = tmp_path / "out"
+    partial = out / "conversations.partial.jsonl"
+    process = subprocess.Popen(
+        generate_argv(prompts, out, server.url, extra=("--concurrency", "8")), cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for_rows(partial, 100, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "interrupted; rows done so far are kept" in stderr and "Traceback" not in stderr
+    kept = complete_ids(partial)
+    # Rows answered before the signal were flushed on the way out, whole lines only.
+    assert len(kept) >= 100 and partial.read_bytes().endswith(b"\n")
+    result = run_generate(prompts, out, server.url, extra=("--concurrency", "16"))
+    assert result.returncode == 0, result.stderr
+    assert f"{len(kept)} already done" in result.stderr
+    ids = Counter(row["id"] for row in read_jsonl(out / "conversations.jsonl"))
+    assert len(ids) == 2000 and max(ids.values()) == 1
