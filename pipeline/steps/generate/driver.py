@@ -38,7 +38,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.manifest import atomic_path, fsync_dir, write_manifest
+from pipeline.run.manifest import MANIFEST_NAME, atomic_path, fsync_dir, write_manifest
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,
@@ -164,6 +164,8 @@ def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple
     """Put the partial files in place for this run; returns (ids done, bytes of torn tails cut)."""
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    # From here until the end the outputs are being changed: no manifest may vouch for them.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
     settings = settings_of(config, model)
     settings_path = out / SETTINGS
     previous = None
