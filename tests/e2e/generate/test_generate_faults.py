@@ -25,11 +25,11 @@ def ids_of(path):
 def test_transient_faults_are_retried_and_every_row_lands_once(tmp_path, fake_server):
     server = fake_server(
         "--error-rate", "500:0.1", "--error-rate", "503:0.05", "--error-rate", "429:0.05",
-        "--drop-rate", "0.05", "--slow-rate", "0.02", "--slow-s", "0.3",
+        "--drop-rate", "0.05", "--slow-rate", "0.02", "--slow-s", "2",
     )  # fmt: skip
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 600)
     out = tmp_path / "out"
-    result = run_generate(prompts, out, server.url, extra=("--concurrency", "16"))
+    result = run_generate(prompts, out, server.url, extra=("--concurrency", "16", "--request-timeout", "1s"))
     assert result.returncode == 0, result.stderr
     ids = ids_of(out / "conversations.jsonl")
     assert sorted(ids) == [f"p{i:05d}" for i in range(600)]
@@ -38,7 +38,7 @@ def test_transient_faults_are_retried_and_every_row_lands_once(tmp_path, fake_se
     assert ok, why
     attempt = read_manifest(out).stats["this_attempt"]
     # Every kind of injected fault happened and was retried, not recorded as an error.
-    assert {"http_500", "http_503", "http_429", "disconnected"} <= set(attempt["transient"])
+    assert {"http_500", "http_503", "http_429", "disconnected", "timeout"} <= set(attempt["transient"])
     assert attempt["retries"] == sum(attempt["transient"].values())
     assert attempt["requests"] == 600 + attempt["retries"]
     assert "Traceback" not in result.stderr
@@ -238,3 +238,18 @@ def test_server_url_from_the_environment_as_in_the_compose_pipeline(tmp_path, fa
         neither.returncode == 2
         and "--url or $EYRIE_TARGET_URL, or a model folder with --serve" in neither.stderr
     )
+
+
+def test_rows_that_cannot_be_asked_are_errors_not_crashes(tmp_path, fake_server):
+    server = fake_server()
+    rows = [
+        {"id": "empty", "source": "t", "messages": []},
+        {"id": "odd-role", "source": "t", "messages": [{"role": "narrator", "content": "x"}]},
+        {"id": "fine", "source": "t", "messages": [{"role": "user", "content": "q"}]},
+    ]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    result = run_generate(prompts, tmp_path / "out", server.url)
+    assert result.returncode == 0, result.stderr
+    errors = {e["id"]: e for e in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert set(errors) == {"empty", "odd-role"} and {e["kind"] for e in errors.values()} == {"bad_prompt"}
+    assert ids_of(tmp_path / "out" / "conversations.jsonl") == ["fine"]
