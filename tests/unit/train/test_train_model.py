@@ -123,7 +123,9 @@ def test_export_reload_gives_identical_logits(tmp_path):
     assert keys == expected
     weights = load_file(folder / "model.safetensors")
     assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
-    assert weights["fc.weight"].shape == (32, 96) and weights["midlayer.self_attn.q_proj.weight"].shape[1] == 64
+    assert (
+        weights["fc.weight"].shape == (32, 96) and weights["midlayer.self_attn.q_proj.weight"].shape[1] == 64
+    )
 
     reloaded = load_draft(folder, target.get_input_embeddings().weight)
     torch.manual_seed(3)

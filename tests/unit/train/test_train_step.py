@@ -99,7 +99,10 @@ def test_resume_after_kill_9_ends_with_the_same_steps_and_weights(small_run):
     b = json.loads((killed / "eval.json").read_text())
     assert a["optimizer_steps"] == b["optimizer_steps"] == 16
     assert b["resumed_from_step"] == killed_at
-    wa, wb = load_file(straight / "draft" / "model.safetensors"), load_file(killed / "draft" / "model.safetensors")
+    wa, wb = (
+        load_file(straight / "draft" / "model.safetensors"),
+        load_file(killed / "draft" / "model.safetensors"),
+    )
     assert wa.keys() == wb.keys()
     for key in wa:
         torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -118,7 +121,9 @@ def test_torchrun_two_processes_gloo(small_run):
 
 
 def test_missing_input_is_a_one_line_error(small_run, tmp_path):
-    done = _run([*EYRIE, "train", "--data", str(tmp_path / "nope"), "--target", str(small_run["target"])], tmp_path)
+    done = _run(
+        [*EYRIE, "train", "--data", str(tmp_path / "nope"), "--target", str(small_run["target"])], tmp_path
+    )
     assert done.returncode == 2
     assert "--data" in done.stderr and "does not exist" in done.stderr
     assert not (tmp_path / "manifest.json").exists()
