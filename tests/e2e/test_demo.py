@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from conftest import REPO, attempts_json, eyrie
+from eyrie_testing import REPO, attempts_json, eyrie
 
 DEMO = REPO / "pipeline" / "embedded" / "demo.yaml"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, SCENARIOS, attempts_json, eyrie
+from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
 
 # The first test builds the images (cold: several minutes on 2 cores); later ones reuse them.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]

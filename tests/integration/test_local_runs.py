@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SCENARIOS, attempts_json, eyrie
+from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
 
 pytestmark = pytest.mark.usefixtures("real_cgroups")
 SCENARIO = REPO / "tests" / "scenarios" / "scenario.py"

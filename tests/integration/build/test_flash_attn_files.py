@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from eyrie_testing import REPO
 from pipeline.build.broker import BuildBroker
 from pipeline.build.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH, fetch_sdist
 from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from eyrie_testing import REPO
 
 DOCKERFILES = sorted((REPO / "images").glob("*/Dockerfile"))
 

@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import eyrie
+from eyrie_testing import eyrie
 
 
 def test_bad_pipeline_is_one_line_naming_file_and_key(tmp_path):

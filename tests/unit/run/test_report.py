@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from conftest import REPO, eyrie
+from eyrie_testing import REPO, eyrie
 
 
 @pytest.mark.usefixtures("real_cgroups")
