@@ -257,10 +257,15 @@ class Tokenizer:
     """The target's tokenizer plus a chat template: conversations to (ids, mask)."""
 
     def __init__(self, folder: Path, chat_template: str):
-        from transformers import AutoTokenizer
+        # A folder with tokenizer.json loads as a fast tokenizer directly; AutoTokenizer would
+        # first import torch (seconds) for nothing. Other folders go through AutoTokenizer.
+        if (Path(folder) / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as loader
+        else:
+            from transformers import AutoTokenizer as loader
 
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(folder))
+            self.hf = loader.from_pretrained(str(folder))
         except (OSError, ValueError) as exc:
             raise TokenizeError(
                 f"cannot load a tokenizer from {folder} ({type(exc).__name__}); "
