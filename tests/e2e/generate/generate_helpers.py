@@ -1,4 +1,5 @@
-"""Helpers of the generation tests: the fake OpenAI server as a subprocess, prompts, running the step."""
+"""Helpers of the generation tests: the fake OpenAI server as a subprocess,
+prompts, running the step. Not a conftest.py: the suite's root conftest is imported by name."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -30,6 +32,21 @@ class FakeServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait()
+
+
+def fake_servers() -> Iterator:
+    """The body of the ``fake_server`` fixture: start fake servers (args as on its command line),
+    kill them all after the test."""
+    started: list[FakeServer] = []
+
+    def start(*args: str, port: int = 0) -> FakeServer:
+        server = FakeServer(*args, port=port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
 
 
 def write_prompts(path: Path, rows: list[dict]) -> Path:

@@ -7,8 +7,10 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 from generate_helpers import (
     FakeServer,
+    fake_servers,
     read_jsonl,
     run_generate,
     simple_prompts,
@@ -16,6 +18,11 @@ from generate_helpers import (
 )
 
 from pipeline.run.manifest import check_manifest, read_manifest
+
+
+@pytest.fixture
+def fake_server():
+    yield from fake_servers()
 
 
 def ids_of(path):

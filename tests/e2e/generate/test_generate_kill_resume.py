@@ -9,12 +9,25 @@ import subprocess
 import time
 from collections import Counter
 
-from generate_helpers import REPO, generate_argv, read_jsonl, run_generate, simple_prompts
+import pytest
+from generate_helpers import (
+    REPO,
+    fake_servers,
+    generate_argv,
+    read_jsonl,
+    run_generate,
+    simple_prompts,
+)
 
 from pipeline.run.manifest import check_manifest
 
 TRIALS = 6
 ROWS = 3000
+
+
+@pytest.fixture
+def fake_server():
+    yield from fake_servers()
 
 
 def complete_ids(path) -> list[str]:
