@@ -91,7 +91,11 @@ def train_command(config_file: Path | None, **overrides) -> int:
             print(f"eyrie train: torchrun exited with {rc}; a rerun resumes from {where}", file=sys.stderr)
             return rc
     else:
-        worker(cfg)
+        try:
+            worker(cfg)
+        except (ValueError, FileNotFoundError) as exc:  # bad data or config: one line, not a traceback
+            print(f"eyrie train: {exc}", file=sys.stderr)
+            return 2
     report = json.loads((cfg.out / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
     stats = {k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding")}

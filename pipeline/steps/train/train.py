@@ -139,6 +139,12 @@ def build(cfg: TrainConfig, device: torch.device):
     if not train_rows:
         raise ValueError(f"no training rows with assistant tokens in {cfg.data}")
     vocab = target.config.vocab_size
+    largest = max(max(r.input_ids) for r in rows)
+    if largest >= vocab:
+        raise ValueError(
+            f"token id {largest} in {cfg.data} is outside the target's vocabulary ({vocab}): "
+            f"tokenize the data with {cfg.target}'s tokenizer"
+        )
     d2t, t2d = vocab_map(token_counts(train_rows, vocab), cfg.draft_vocab_size)
     layer_ids = cfg.layer_ids or default_layer_ids(target.config.num_hidden_layers)
     draft = Eagle3Draft(draft_config(target.config, d2t.shape[0], layer_ids))

@@ -127,3 +127,16 @@ def test_missing_input_is_a_one_line_error(small_run, tmp_path):
     assert done.returncode == 2
     assert "--data" in done.stderr and "does not exist" in done.stderr
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_shards_of_another_vocabulary_are_a_one_line_error(small_run, tmp_path):
+    (tmp_path / "shards").mkdir()
+    rows = {"input_ids": [[5, 6, 500, 7] * 4] * 4, "loss_mask": [[0, 1, 1, 1] * 4] * 4}
+    pq.write_table(pa.table(rows), tmp_path / "shards" / "shard-00000.parquet")
+    step = tmp_path / "step"
+    done = _run(
+        [*EYRIE, "train", "--data", str(tmp_path / "shards"), "--target", str(small_run["target"])], step
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "token id 500" in done.stderr and "Traceback" not in done.stderr
+    assert not (step / "manifest.json").exists()
