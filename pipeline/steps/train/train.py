@@ -6,6 +6,8 @@ the frozen target replicated in each process; gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
@@ -105,6 +107,31 @@ class DraftLoss(nn.Module):
         return soft_cross_entropy(self.draft.logits(out), teacher, mask)
 
 
+# Settings that do not change what is trained: a resume may change them.
+_NOT_TRAINING = {"out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads"}
+
+
+def run_key(cfg: TrainConfig, world: int) -> str:
+    """Names the checkpoints of one training: same settings, same data files, same world size.
+
+    A rerun with other data or settings starts afresh instead of resuming someone else's run.
+    """
+    files = sorted(cfg.data.rglob("*.parquet")) if cfg.data.is_dir() else [cfg.data]
+    payload = {
+        "config": cfg.model_dump(mode="json", exclude=_NOT_TRAINING),
+        "data": [
+            (
+                str(f.relative_to(cfg.data) if cfg.data.is_dir() else f.name),
+                f.stat().st_size,
+                f.stat().st_mtime_ns,
+            )
+            for f in files
+        ],
+        "world": world,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _lr_lambda(total: int, warmup: int):
     def factor(step: int) -> float:
         if step < warmup:
@@ -176,7 +203,7 @@ def train(cfg: TrainConfig, log=_log) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
-    folder = cfg.out / "checkpoints"
+    folder = cfg.out / "checkpoints" / run_key(cfg, world)
     start = 0
     resumed = ckpt.load_latest(folder)
     if resumed is not None:

@@ -56,6 +56,12 @@ def _train_argv(run: dict[str, Path], out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _checkpoints(step_dir: Path) -> list[Path]:
+    """Complete checkpoints of every run key under the step dir, oldest first."""
+    runs = (step_dir / "checkpoints").glob("*")
+    return sorted((c for run in runs for c in ckpt.complete(run)), key=lambda p: p.name)
+
+
 def _env(step_dir: Path) -> dict[str, str]:
     return {**os.environ, "EYRIE_STEP_DIR": str(step_dir), "OMP_NUM_THREADS": "1"}
 
@@ -81,7 +87,7 @@ def test_resume_after_kill_9_ends_with_the_same_steps_and_weights(small_run):
     deadline = time.monotonic() + 300
     # Kill once a checkpoint beyond the first exists: mid-run, possibly mid-write of the next one.
     while time.monotonic() < deadline and proc.poll() is None:
-        found = ckpt.complete(killed / "checkpoints")
+        found = _checkpoints(killed)
         if found and found[-1].name >= "step-00000006":
             break
         time.sleep(0.05)
@@ -89,7 +95,7 @@ def test_resume_after_kill_9_ends_with_the_same_steps_and_weights(small_run):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "eval.json").exists() and not (killed / "manifest.json").exists()
-    killed_at = json.loads((ckpt.complete(killed / "checkpoints")[-1] / "meta.json").read_text())["step"]
+    killed_at = json.loads((_checkpoints(killed)[-1] / "meta.json").read_text())["step"]
     assert 6 <= killed_at < 16
 
     rerun = _run(_train_argv(small_run, killed), killed)
@@ -140,3 +146,13 @@ def test_shards_of_another_vocabulary_are_a_one_line_error(small_run, tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "token id 500" in done.stderr and "Traceback" not in done.stderr
     assert not (step / "manifest.json").exists()
+
+
+def test_checkpoints_are_keyed_by_settings_and_data(small_run, tmp_path):
+    from pipeline.steps.train.train import TrainConfig, run_key
+
+    cfg = TrainConfig(data=small_run["data"], target=small_run["target"], out=tmp_path)
+    same = cfg.model_copy(update={"threads": 1, "eval_prompts": 3, "out": tmp_path / "x"})
+    assert run_key(cfg, 1) == run_key(same, 1)
+    assert run_key(cfg, 1) != run_key(cfg.model_copy(update={"lr": 5e-4}), 1)
+    assert run_key(cfg, 1) != run_key(cfg, 2)
