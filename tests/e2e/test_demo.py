@@ -8,10 +8,11 @@ from eyrie_testing import REPO, attempts_json, eyrie
 DEMO = REPO / "pipeline" / "embedded" / "demo.yaml"
 
 
+@pytest.mark.timeout(2400)
 @pytest.mark.usefixtures("real_cgroups")
 def test_demo_pipeline_succeeds_and_resumes(tmp_path):
     run_dir = tmp_path / "demo"
-    result = eyrie("run", str(DEMO), "--run-dir", str(run_dir), timeout=1500)
+    result = eyrie("run", str(DEMO), "--run-dir", str(run_dir), timeout=2100)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     steps = [s["name"] for s in yaml.safe_load(DEMO.read_text())["steps"]]
     attempts = attempts_json(run_dir)
