@@ -11,8 +11,11 @@ the nvcc flags its real setup.py gives torch's ninja file:
 
 For each: OOM kills, whether the build completed, and wall time.
 
-Run (about 30–60 min on 2 cores):
-  python benchmarks/build_flash_attn_subset.py --source DIR [--budget 12GiB] [--max-jobs 1,2,3]
+Run (about an hour on 2 cores):
+  .venv/bin/python -m benchmarks.build_flash_attn_subset --source DIR --python CUDA_TORCH_PY \
+      [--headers-python PY] [--budget 11.75GiB] [--max-jobs 2,1]
+CUDA_TORCH_PY is a Python with a CUDA build of torch (setup.py needs one to write its
+ninja file); --headers-python one whose torch headers compile with flash-attn's C++17.
 DIR is an unpacked flash-attn 2.8.3 sdist (``pip download --no-deps --no-binary :all:
 flash-attn==2.8.3`` with FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE, then untar).
 """
@@ -93,8 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, required=True)
     parser.add_argument("--files", default=",".join(DEFAULT_FILES))
-    parser.add_argument("--budget", default="12GiB")
-    parser.add_argument("--max-jobs", default="1,2,3")
+    parser.add_argument("--budget", default="11.75GiB")
+    parser.add_argument("--max-jobs", default="2,1", help="fixed MAX_JOBS values, run in this order")
     parser.add_argument("--arch", default="120")
     parser.add_argument("--python", default=sys.executable, help="a Python with a CUDA build of torch")
     parser.add_argument("--headers-python", default=None, help="a Python whose torch headers to compile with")
