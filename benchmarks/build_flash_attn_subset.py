@@ -12,7 +12,7 @@ the nvcc flags its real setup.py gives torch's ninja file:
 For each: OOM kills, whether the build completed, and wall time.
 
 Run (about an hour on 2 cores):
-  .venv/bin/python -m benchmarks.build_flash_attn_subset --source DIR --python CUDA_TORCH_PY \
+  .venv/bin/python -m benchmarks.build_flash_attn_subset --source DIR --python CUDA_TORCH_PY
       [--headers-python PY] [--budget 11.75GiB] [--max-jobs 2,1]
 CUDA_TORCH_PY is a Python with a CUDA build of torch (setup.py needs one to write its
 ninja file); --headers-python one whose torch headers compile with flash-attn's C++17.
