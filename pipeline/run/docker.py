@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.memory import Budget, read_meminfo
 from pipeline.run.executor import STDERR_TAIL_LINES, Launch, LineSink, Outcome
 from pipeline.run.manifest import RUN_DIR_ENV
 from pipeline.run.spec import PipelineError
@@ -302,6 +303,23 @@ class DockerExecutor:
             return None
         networks = self._own.attrs["NetworkSettings"]["Networks"]
         return next(iter(networks), None)
+
+    def memory_budget(self) -> Budget:
+        """What the step containers share: the engine host's MemAvailable.
+
+        They run in the engine's cgroups, not under this process's (in the compose
+        ``pipeline`` service, the orchestrator's own limit is for the orchestrator alone).
+        ``/proc/meminfo`` shows the host's figures inside a container too.
+        """
+        meminfo = read_meminfo()
+        available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
+        return Budget(
+            available=available,
+            mem_total=meminfo.get("MemTotal", 0),
+            mem_available=available,
+            cgroup_version=None,
+            binding="MemAvailable of the Docker host",
+        )
 
     # -- executor interface --------------------------------------------------------------
     def start(self, launch: Launch) -> DockerAttempt:

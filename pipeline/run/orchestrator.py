@@ -134,7 +134,8 @@ class Orchestrator:
     # -- the loop ----------------------------------------------------------------------
     def _run(self, ledger: Ledger) -> RunResult:
         self._close_orphans(ledger)
-        budget = memory_budget()
+        # An executor whose steps run outside this process's cgroup (containers) says what they share.
+        budget = getattr(self.executor, "memory_budget", memory_budget)()
         pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if pool == budget.available else "the pipeline's budget"
         for step in self.spec.steps:
