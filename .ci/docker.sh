@@ -63,3 +63,5 @@ EOF
 }
 
 _eyrie_docker_setup
+# From here on a missing engine fails the docker-marked tests instead of skipping them.
+export EYRIE_REQUIRE_DOCKER=1
