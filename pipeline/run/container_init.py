@@ -68,21 +68,30 @@ def run(report_path: Path, argv: list[str]) -> int:
     cgroup = current_cgroup()
     monitor = CgroupMonitor(cgroup)
 
+    stop_signal: list[int] = []
+
     def forward(signum: int, _frame: object) -> None:
+        if stop_signal:
+            return  # passed on once, as the local executor signals a step once; repeats are resends
+        stop_signal.append(signum)
         _signal_all(cgroup, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     started_at = time.time()
     monitor.start()
-    try:
-        main = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-    except OSError as exc:
-        print(f"eyrie: cannot start {argv[0]!r} in the container: {exc.strerror}", file=sys.stderr)
-        monitor.finish()
-        return 127
-    status = _wait_main(main.pid)
-    main.returncode = 0  # reaped above; keeps Popen from waiting on a pid that is gone
+    if stop_signal:
+        # Stopped before the step began: it ends as a step stopped by that signal would.
+        status = stop_signal[0]
+    else:
+        try:
+            main = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            print(f"eyrie: cannot start {argv[0]!r} in the container: {exc.strerror}", file=sys.stderr)
+            monitor.finish()
+            return 127
+        status = _wait_main(main.pid)
+        main.returncode = 0  # reaped above; keeps Popen from waiting on a pid that is gone
     ended_at = time.time()
 
     # Children may outlive the main process; they belong to the attempt and end with it.

@@ -47,6 +47,7 @@ IMAGE_ENV = "EYRIE_IMAGE"
 NETWORK_ENV = "EYRIE_DOCKER_NETWORK"
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 STOP_GRACE_S = 5.0
+STOP_RESEND_S = 0.5
 EVENT_SETTLE_S = 2.0
 INIT = ["python3", "-m", "pipeline.run.container_init"]
 
@@ -236,15 +237,20 @@ class DockerAttempt:
 
     def stop(self, reason: str) -> None:
         self._stopped_by = self._stopped_by or reason
-        try:
-            self.container.kill(signal="SIGTERM")  # PID 1 passes it to every process
-        except docker.errors.APIError:
-            return  # already gone
-        if not self._ended.wait(STOP_GRACE_S):
+        # PID 1 passes SIGTERM to every process. Until its handler is installed (a container
+        # still starting) PID 1 ignores the signal, so it is sent again through the grace period.
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
             try:
-                self.container.kill(signal="SIGKILL")
+                self.container.kill(signal="SIGTERM")
             except docker.errors.APIError:
-                pass
+                return  # already gone
+            if self._ended.wait(STOP_RESEND_S):
+                return
+        try:
+            self.container.kill(signal="SIGKILL")
+        except docker.errors.APIError:
+            pass
 
 
 class DockerExecutor:
