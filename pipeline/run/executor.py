@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.memory import Budget
+
 LineSink = Callable[[str, str], None]
 """Called with (stream name 'stdout'|'stderr', line without newline) for each output line."""
 
@@ -89,6 +91,9 @@ class RunningAttempt(Protocol):
 
 class Executor(Protocol):
     name: str
+
+    def memory_budget(self) -> Budget:
+        """The memory the steps this executor starts share (what running steps' limits must fit)."""
 
     def start(self, launch: Launch) -> RunningAttempt: ...
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.memory import Cgroup, CgroupError, step_parent
+from pipeline.memory import Budget, Cgroup, CgroupError, memory_budget, step_parent
 from pipeline.run.executor import Launch, LineCapture, Outcome
 from pipeline.run.monitor import CgroupMonitor
 
@@ -97,6 +97,10 @@ class LocalExecutor:
 
     def cgroup_for(self, launch: Launch) -> Cgroup:
         return self.parent.child(f"{launch.run_id}-{launch.step}-{launch.attempt}")
+
+    def memory_budget(self) -> Budget:
+        """Steps run under this process's cgroup: they share what this process really has."""
+        return memory_budget()
 
     def reap(self, where: str) -> int:
         cgroup = self.parent.child(Path(where).name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import format_size, memory_budget, read_meminfo
+from pipeline.memory import format_size, read_meminfo
 from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import (
@@ -134,8 +134,7 @@ class Orchestrator:
     # -- the loop ----------------------------------------------------------------------
     def _run(self, ledger: Ledger) -> RunResult:
         self._close_orphans(ledger)
-        # An executor whose steps run outside this process's cgroup (containers) says what they share.
-        budget = getattr(self.executor, "memory_budget", memory_budget)()
+        budget = self.executor.memory_budget()
         pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if pool == budget.available else "the pipeline's budget"
         for step in self.spec.steps:
