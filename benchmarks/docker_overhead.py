@@ -14,33 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-import time
-from pathlib import Path
 
-from benchmarks.run_overhead import Quiet
+from benchmarks.run_overhead import measure
 from pipeline.run.docker import DockerExecutor
 from pipeline.run.local import LocalExecutor
-from pipeline.run.orchestrator import Orchestrator
-from pipeline.run.spec import PipelineSpec
-
-
-def measure(steps: int, executor) -> float:
-    spec = PipelineSpec.model_validate({
-        "steps": [
-            {"name": f"s{i}", "command": ["true"], "memory": "64MiB", "needs": [f"s{i - 1}"] if i else []}
-            for i in range(steps)
-        ],
-    })  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        pipeline = Path(tmp) / "pipeline.yaml"
-        pipeline.write_text("")
-        orchestrator = Orchestrator(spec, pipeline, Path(tmp) / "run", executor, Quiet())
-        start = time.perf_counter()
-        result = orchestrator.run()
-        elapsed = time.perf_counter() - start
-    assert result.state == "succeeded", result
-    return elapsed / steps
 
 
 def main() -> None:
@@ -48,8 +25,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--image", default="eyrie-pipeline:local")
     args = parser.parse_args()
-    local = measure(args.steps, LocalExecutor())
-    docker = measure(args.steps, DockerExecutor(image=args.image))
+    local = measure(args.steps, chained=True, executor=LocalExecutor())
+    docker = measure(args.steps, chained=True, executor=DockerExecutor(image=args.image))
     print(json.dumps({"steps": args.steps, "local_s_per_step": round(local, 3),
                       "docker_s_per_step": round(docker, 3), "target_docker_s_per_step": 3.0}))  # fmt: skip
 

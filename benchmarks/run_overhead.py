@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.run.executor import Executor
 from pipeline.run.local import LocalExecutor
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.spec import PipelineSpec
@@ -30,7 +31,8 @@ class Quiet:
     def note(self, *a): ...
 
 
-def measure(steps: int, chained: bool) -> float:
+def measure(steps: int, chained: bool, executor: Executor | None = None) -> float:
+    """Wall seconds per step of N `true` steps, chained or independent, under ``executor``."""
     spec = PipelineSpec.model_validate({
         "steps": [
             {"name": f"s{i}", "command": ["true"], "memory": "64MiB",
@@ -41,7 +43,7 @@ def measure(steps: int, chained: bool) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = Path(tmp) / "pipeline.yaml"
         pipeline.write_text("")
-        orchestrator = Orchestrator(spec, pipeline, Path(tmp) / "run", LocalExecutor(), Quiet())
+        orchestrator = Orchestrator(spec, pipeline, Path(tmp) / "run", executor or LocalExecutor(), Quiet())
         start = time.perf_counter()
         result = orchestrator.run()
         elapsed = time.perf_counter() - start
