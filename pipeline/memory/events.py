@@ -36,11 +36,15 @@ class EventNotifier:
         ready, _, _ = select.select([self._fd], [], [], timeout)
         if not ready:
             return False
+        self.drain()
+        return True
+
+    def drain(self) -> None:
+        """Consume the pending notification so the descriptor waits for the next one."""
         try:
             os.read(self._fd, 4096)
         except BlockingIOError:
             pass
-        return True
 
     def close(self) -> None:
         for fd in [self._fd, *self._keep_open]:

@@ -10,6 +10,8 @@ short spike is not lost between points.
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ class CgroupMonitor:
         self._timeline: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
         self._notifier = event_notifier(cgroup)
+        self._wake_r, self._wake_w = os.pipe()  # lets finish() interrupt a wait at once
         self._thread = threading.Thread(target=self._loop, name=f"monitor-{cgroup.path.name}", daemon=True)
 
     def start(self) -> CgroupMonitor:
@@ -73,21 +76,25 @@ class CgroupMonitor:
 
     def _loop(self) -> None:
         fast_until = 0.0
+        watched = [self._wake_r] + ([self._notifier.fileno()] if self._notifier else [])
         while not self._stop.is_set():
             interval = FAST_POLL_S if time.monotonic() < fast_until else POLL_S
-            if self._notifier is not None and self._notifier.wait(interval):
+            ready, _, _ = select.select(watched, [], [], interval)
+            if self._notifier is not None and self._notifier.fileno() in ready:
+                self._notifier.drain()
                 # v1 signals when the cgroup runs out of memory, a moment before the kill is
                 # counted: look closely for a while.
                 fast_until = time.monotonic() + FAST_WINDOW_S
-            elif self._notifier is None:
-                self._stop.wait(interval)
             self._poll()
 
     def finish(self) -> MonitorReport:
         """Stop watching; read the counters one last time (the cgroup must still exist)."""
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join()
         self._poll()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         if self._notifier is not None:
             self._notifier.close()
         if self._window != (0, 0):
