@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 EXTRAS ?= dev,ml,generate,docker,provision
 RUN_DIR ?= runs/demo
 comma := ,
+# Recipes and everything they start (pytest, testinfra's ansible-inventory) find the venv's tools first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: help venv demo test test-slow lint clean provision verify
 

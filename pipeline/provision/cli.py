@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,4 +117,7 @@ def verify_command(host: str | None, inventory: Path | None, extra: list[str]) -
         *target,
         *extra,
     ]
-    return subprocess.run(command, cwd=REPO).returncode
+    # testinfra's ansible backend runs `ansible-inventory`: the one installed beside this Python.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path}
+    return subprocess.run(command, cwd=REPO, env=env, check=False).returncode
