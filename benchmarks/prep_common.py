@@ -8,18 +8,8 @@ from pathlib import Path
 
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.sources import prepare_source
+from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
 
-KIMI_TOKENS = [
-    "<|im_system|>",
-    "<|im_user|>",
-    "<|im_assistant|>",
-    "<|im_middle|>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-]
 TEMPLATES = ("kimi-k2", "tokenizer")
 
 
@@ -32,7 +22,7 @@ def tokenizers(work: Path) -> dict[str, Path]:
 
     tiny = build_tokenizer(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    tokenizer.add_special_tokens({"additional_special_tokens": KIMI_TOKENS})
+    tokenizer.add_special_tokens({"additional_special_tokens": KIMI_K2_SPECIAL_TOKENS})
     tokenizer.save_pretrained(str(work / "kimi"))
     return {"tokenizer": tiny, "kimi-k2": work / "kimi"}
 

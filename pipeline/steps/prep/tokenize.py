@@ -32,6 +32,18 @@ from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
+# The special tokens the Kimi-K2-style template writes: a tokenizer used with it must hold each as one token.
+KIMI_K2_SPECIAL_TOKENS = [
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
 SHARDS = "shards"
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SHARD_ROWS = 8192

@@ -10,18 +10,7 @@ import pytest
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.prep import prep
 from pipeline.steps.prep.sources import prepare_source
-
-KIMI_TOKENS = [
-    "<|im_system|>",
-    "<|im_user|>",
-    "<|im_assistant|>",
-    "<|im_middle|>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-]
+from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +26,7 @@ def kimi_tokenizer(tiny_tokenizer, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
-    tokenizer.add_special_tokens({"additional_special_tokens": KIMI_TOKENS})
+    tokenizer.add_special_tokens({"additional_special_tokens": KIMI_K2_SPECIAL_TOKENS})
     out = tmp_path_factory.mktemp("kimi") / "tokenizer"
     tokenizer.save_pretrained(str(out))
     return out
