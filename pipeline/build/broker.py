@@ -76,8 +76,10 @@ class BuildBroker:
     """Serves the nvcc stand-ins of one build on a Unix socket."""
 
     def __init__(self, *, nvcc: str, nvcc_version: str, profile: Profile, budget: int,
-                 cpu_slots: int, run_dir: Path, run_id: str | None = None) -> None:  # fmt: skip
+                 cpu_slots: int, run_dir: Path, run_id: str | None = None,
+                 cxx_standard: str | None = None) -> None:  # fmt: skip
         self.nvcc = nvcc
+        self.cxx_standard = cxx_standard  # replaces a -std=c++17 the build asks for
         self.nvcc_version = nvcc_version
         self.profile = profile
         self.budget = budget
@@ -214,8 +216,9 @@ class BuildBroker:
         stem = f"{Path(record.key.source).stem}.{attempt}"
         # nvcc leaves its intermediates in TMPDIR when it is killed: one folder per attempt, removed after.
         scratch = tempfile.mkdtemp(prefix=f"eyrie-nvcc-{stem}-")
+        command = [self.nvcc, *with_standard(argv, self.cxx_standard)]
         launch = Launch(
-            run_id=self.run_id, step=job.name, attempt=attempt, argv=[self.nvcc, *argv],
+            run_id=self.run_id, step=job.name, attempt=attempt, argv=command,
             cwd=Path(request["cwd"]), env={**request["env"], "TMPDIR": scratch}, limit_bytes=job.reservation,
             stdout_path=logs / f"{stem}.out", stderr_path=logs / f"{stem}.err",
         )  # fmt: skip
@@ -270,6 +273,13 @@ def _output_of(argv: list[str], cwd: Path) -> Path | None:
         if arg == "-o":
             return cwd / argv[i + 1]
     return None
+
+
+def with_standard(argv: list[str], standard: str | None) -> list[str]:
+    """The nvcc command with ``-std=c++17`` raised to ``standard`` (see flash_attn.cxx_standard)."""
+    if standard is None:
+        return argv
+    return [f"-std={standard}" if arg == "-std=c++17" else arg for arg in argv]
 
 
 def _first_error(stderr: str) -> str | None:

@@ -248,35 +248,62 @@ def build_env(plan: Plan, broker_env: dict[str, str], lookahead: int) -> dict[st
     }
 
 
-def check_cxx_standard(plan: Plan) -> None:
-    """torch 2.14's headers need C++20 (``operator<=>`` in c10); flash-attn ≤ 2.8.3 compiles with
-    ``-std=c++17``. Found in this project's own build: every job fails at its first include."""
+def cxx_standard(plan: Plan) -> str | None:
+    """The C++ standard to compile with when the one setup.py pins is older than torch's headers need.
+
+    torch ≥ 2.13's headers are C++20 (2.14's ``ATen.h`` refuses anything older); flash-attn
+    ≤ 2.8.3 pins ``-std=c++17`` for both nvcc and the host compiler. flash-attn's own fix
+    (Dao-AILab/flash-attention#2899) compiles with C++20 for torch ≥ 2.13 and changes no
+    kernel; the build does the same in the compile commands, leaving setup.py as it is.
+    """
     setup = (plan.source / "setup.py").read_text(encoding="utf-8")
     major_minor = tuple(int(p) for p in re.findall(r"\d+", plan.toolchain.torch)[:2])
-    if "-std=c++17" in setup and "-std=c++20" not in setup and major_minor >= (2, 14):
-        raise BuildError(
-            f"torch {plan.toolchain.torch}'s headers need C++20, but flash-attn {plan.version}'s setup.py "
-            "compiles with -std=c++17: build against torch 2.13 (e.g. torch==2.13.0 from the PyTorch "
-            "cu130 index) or a flash-attn release that moved to C++20"
-        )
+    if "-std=c++17" in setup and "-std=c++20" not in setup and major_minor >= (2, 13):
+        return "c++20"
+    return None
+
+
+def write_cxx_shim(run_dir: Path, standard: str) -> Path:
+    """A host compiler for torch's ninja file (``CXX``) that swaps ``-std=c++17`` for ``standard``.
+
+    ``CXX`` must be one path (torch quotes it as a single word), hence a script, not a command line.
+    """
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    if real is None:
+        raise BuildError(f"no C++ compiler {os.environ.get('CXX', 'c++')!r} on PATH: install g++ or set CXX")
+    shim = run_dir / "cxx"
+    shim.write_text(
+        "#!/bin/sh\n"
+        f"# flash-attn pins -std=c++17; torch's headers need -std={standard} (see cxx_standard)\n"
+        f'for arg; do shift; [ "$arg" = -std=c++17 ] && arg=-std={standard}; set -- "$@" "$arg"; done\n'
+        f'exec {real} "$@"\n',
+        encoding="utf-8",
+    )
+    shim.chmod(0o755)
+    return shim
 
 
 def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
               log=print) -> tuple[Path, BuildReport]:  # fmt: skip
     """Compile and link the wheel; returns its path in the cache and the build's report."""
     sources = cuda_sources(plan.source)
-    check_cxx_standard(plan)
     check_budget(plan, profile, sources)
+    standard = cxx_standard(plan)
     lookahead = min(len(sources) or 1, max(8, 4 * plan.cpu_slots))
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with BuildBroker(
         nvcc=str(plan.toolchain.nvcc), nvcc_version=plan.toolchain.nvcc_version, profile=profile,
-        budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir,
+        budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir, cxx_standard=standard,
     ) as broker, tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir:  # fmt: skip
         log(f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
             f"{plan.threads}, budget {plan.budget / 2**30:.2f} GiB ({plan.budget_basis}), "
             f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}")  # fmt: skip
+        env = build_env(plan, broker.env(), lookahead)
+        if standard:
+            env["CXX"] = str(write_cxx_shim(run_dir, standard).resolve())  # setup.py runs in the source tree
+            log(f"torch {plan.toolchain.torch}'s headers need {standard}: compiling with -std={standard} "
+                "where flash-attn's setup.py asks for -std=c++17")  # fmt: skip
         setup_log = run_dir / "setup.log"
         with open(setup_log, "w", encoding="utf-8") as fh, Progress(
             TextColumn("nvcc jobs"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -286,7 +313,7 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
             setup = subprocess.Popen(
                 [plan.toolchain.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                  "--wheel-dir", wheel_dir, "--verbose", str(plan.source)],
-                env=build_env(plan, broker.env(), lookahead), stdout=fh, stderr=subprocess.STDOUT,
+                env=env, stdout=fh, stderr=subprocess.STDOUT,
             )  # fmt: skip
             while setup.poll() is None:
                 time.sleep(1)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -112,15 +113,32 @@ def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
         resolve_budget("auto", 2**50)
 
 
-def test_torch_headers_that_need_cpp20_are_refused_for_a_cpp17_setup(tmp_path: Path) -> None:
+def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from pipeline.build.flash_attn import check_cxx_standard
+    from pipeline.build.flash_attn import cxx_standard, write_cxx_shim
 
-    src = tree(tmp_path)
+    (tmp_path / "src").mkdir()
+    src = tree(tmp_path / "src")
     (src / "setup.py").write_text(SETUP_PY + 'nvcc_flags = ["-O3", "-std=c++17"]\n')
-    check_cxx_standard(plan(src, GiB))  # torch 2.13: C++17 headers
-    newer = plan(src, GiB)
-    newer = replace(newer, toolchain=replace(newer.toolchain, torch="2.14.1+cu130"))
-    with pytest.raises(BuildError, match="torch 2.14.1\\+cu130's headers need C\\+\\+20"):
-        check_cxx_standard(newer)
+    older = plan(src, GiB)
+    assert cxx_standard(replace(older, toolchain=replace(older.toolchain, torch="2.12.0"))) is None
+    newer = replace(older, toolchain=replace(older.toolchain, torch="2.14.1+cu130"))
+    assert cxx_standard(newer) == "c++20"
+
+    # The host compiler torch's ninja file runs: -std=c++17 becomes -std=c++20, the rest untouched.
+    shim = write_cxx_shim(tmp_path, "c++20")
+    probe = subprocess.run(
+        [str(shim), "-std=c++17", "-x", "c++", "-dM", "-E", "-D", "ARG=a b", "-"],
+        input="", capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "#define __cplusplus 202002L" in probe.stdout
+    assert "#define ARG a b" in probe.stdout
+
+
+def test_broker_raises_the_standard_of_nvcc_commands() -> None:
+    from pipeline.build.broker import with_standard
+
+    argv = ["-O3", "-std=c++17", "-c", "a.cu"]
+    assert with_standard(argv, "c++20") == ["-O3", "-std=c++20", "-c", "a.cu"]
+    assert with_standard(argv, None) == argv
