@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -10,21 +11,28 @@ from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.sources import prepare_source
 from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
 
-TEMPLATES = ("kimi-k2", "tokenizer")
+TEMPLATES = ("kimi-k2", "tokenizer", "unmarked")
 
 
-def tokenizers(work: Path) -> dict[str, Path]:
-    """Template name -> tokenizer folder: the embedded tokenizer (its ChatML template, no generation
-    markers) and the same tokenizer with the Kimi-K2 markup tokens for the shipped Kimi template."""
+def tokenizers(work: Path) -> dict[str, tuple[Path, str]]:
+    """Template name -> (tokenizer folder, --chat-template): the embedded tokenizer with its own
+    ChatML template (generation markers), the same template without its markers (spans from
+    rendered prefixes), and the tokenizer with the Kimi-K2 markup tokens for the shipped Kimi template."""
     from transformers import AutoTokenizer
 
-    from pipeline.embedded.tiny import build_tokenizer
+    from pipeline.embedded.tiny import CHAT_TEMPLATE, build_tokenizer
 
     tiny = build_tokenizer(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))
     tokenizer.add_special_tokens({"additional_special_tokens": KIMI_K2_SPECIAL_TOKENS})
     tokenizer.save_pretrained(str(work / "kimi"))
-    return {"tokenizer": tiny, "kimi-k2": work / "kimi"}
+    unmarked = work / "unmarked.jinja"
+    unmarked.write_text(re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", CHAT_TEMPLATE))
+    return {
+        "tokenizer": (tiny, "tokenizer"),
+        "kimi-k2": (work / "kimi", "kimi-k2"),
+        "unmarked": (tiny, str(unmarked)),
+    }
 
 
 def sample_conversations() -> list[dict]:

@@ -64,7 +64,7 @@ def raw_pass(folder: Path, template: str, native: Path) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def ours(catalog: Path, folder: Path, template: str, work: Path) -> tuple[float, Path]:
+def ours(catalog: Path, folder: Path, template: str, work: Path, workers: int | None) -> tuple[float, Path]:
     from pipeline.steps.prep.prep import prep
     from pipeline.steps.prep.tokenize import tokenize
 
@@ -72,7 +72,15 @@ def ours(catalog: Path, folder: Path, template: str, work: Path) -> tuple[float,
     started = time.perf_counter()
     assert prep(catalog, prep_dir, workers=1) == 0
     assert (
-        tokenize(folder, [prep_dir / "native.jsonl"], [], tok_dir, chat_template=template, max_length=1 << 20)
+        tokenize(
+            folder,
+            [prep_dir / "native.jsonl"],
+            [],
+            tok_dir,
+            chat_template=template,
+            max_length=1 << 20,
+            workers=workers,
+        )  # fmt: skip
         == 0
     )
     return time.perf_counter() - started, prep_dir / "native.jsonl"
@@ -84,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--templates", nargs="+", default=list(TEMPLATES), choices=TEMPLATES)
     parser.add_argument("--format", default="parquet", choices=["parquet", "jsonl"], help="workload file")
+    parser.add_argument("--workers", type=int, default=None, help="tokenize workers (default: the step's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -104,12 +113,14 @@ def main() -> None:
         for template in args.templates:
             raw_times, our_times, tokens = [], [], 0
             for repeat in range(args.repeats):
-                seconds, native = ours(catalog, folders[template], template, work / f"{template}-{repeat}")
+                seconds, native = ours(
+                    catalog, *folders[template], work / f"{template}-{repeat}", args.workers
+                )
                 our_times.append(seconds)
-                raw_seconds, tokens = raw_pass(folders[template], template, native)
+                raw_seconds, tokens = raw_pass(*folders[template], native)
                 raw_times.append(raw_seconds)
             raw, our = median(raw_times), median(our_times)
-            method = "generation markers" if template == "kimi-k2" else "prefix render"
+            method = "prefix render" if template == "unmarked" else "generation markers"
             print(
                 f"| {template} ({method}) | {tokens} | {raw:.2f} s ({tokens / raw / 1e3:.0f}k tok/s) "
                 f"| {our:.2f} s ({tokens / our / 1e3:.0f}k tok/s) | {raw / our:.2f}x |"

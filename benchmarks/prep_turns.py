@@ -89,7 +89,7 @@ def main() -> None:
         print("| " + " | ".join([*header, "reference us/token"]) + " |")
         print("|---|---|---|---|---|---|---|")
         for template in args.templates:
-            encoder = Tokenizer(folders[template], template)
+            encoder = Tokenizer(*folders[template])
             per_pair = max(1, time_encode(encoder, conversations(1, 64, source), 1)[1] // 64)
             base = None
             for turns in TURNS:

@@ -130,6 +130,13 @@ def tokenize(
     out_dir: Annotated[
         Path | None, typer.Option(help="Where shards/ goes (default: the step dir, else the cwd).")
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(help="Processes rendering and tokenizing (default: what memory allows, one per CPU)."),
+    ] = None,
+    worker_memory: Annotated[
+        str, typer.Option(help="Memory one worker may use; divides the budget into workers.")
+    ] = "256MiB",
 ) -> None:
     """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
     from pipeline.steps.prep.tokenize import tokenize as run_tokenize
@@ -143,6 +150,8 @@ def tokenize(
             chat_template=chat_template,
             max_length=max_length,
             shard_rows=shard_rows,
+            workers=workers,
+            worker_memory=worker_memory,
         )
     )
 
@@ -167,7 +176,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option()] = 2048,
     seed: Annotated[int | None, typer.Option(help="Base seed; each row's seed derives from its id.")] = None,
     chat_template_kwargs: Annotated[
-        str | None, typer.Option(help='JSON, e.g. \'{"enable_thinking": true}\'.')
+        str | None, typer.Option(help="JSON, e.g. '{\"enable_thinking\": true}'.")
     ] = None,
     drop_truncated: Annotated[
         bool, typer.Option(help="Put rows cut by max_tokens in errors.jsonl instead.")
@@ -189,13 +198,28 @@ def generate(
 
     raise typer.Exit(
         generate_command(
-            prompts, urls=url or [], serve=serve, continuous_batching=continuous_batching, model=model,
-            mode=mode, concurrency=concurrency,
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-            chat_template_kwargs=chat_template_kwargs, drop_truncated=drop_truncated,
-            retry_errors=retry_errors, max_retries=max_retries, retry_base=retry_base,
-            request_timeout=request_timeout, health_timeout=health_timeout, api_key_env=api_key_env,
-            api_key_file=api_key_file, limit=limit, out_dir=out_dir,
+            prompts,
+            urls=url or [],
+            serve=serve,
+            continuous_batching=continuous_batching,
+            model=model,
+            mode=mode,
+            concurrency=concurrency,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            chat_template_kwargs=chat_template_kwargs,
+            drop_truncated=drop_truncated,
+            retry_errors=retry_errors,
+            max_retries=max_retries,
+            retry_base=retry_base,
+            request_timeout=request_timeout,
+            health_timeout=health_timeout,
+            api_key_env=api_key_env,
+            api_key_file=api_key_file,
+            limit=limit,
+            out_dir=out_dir,
         )  # fmt: skip
     )
 
@@ -256,8 +280,17 @@ def build_flash_attn(
 
     raise typer.Exit(
         flash_attn_command(
-            version=version, source=source, archs=archs, budget=budget, threads=threads, out=out,
-            run_dir=run_dir, python=python, cuda_home=cuda_home, headroom=headroom, cpus=cpus,
+            version=version,
+            source=source,
+            archs=archs,
+            budget=budget,
+            threads=threads,
+            out=out,
+            run_dir=run_dir,
+            python=python,
+            cuda_home=cuda_home,
+            headroom=headroom,
+            cpus=cpus,
             profiles=profile or [],
         )  # fmt: skip
     )
@@ -292,12 +325,26 @@ def train(
     ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
     raise typer.Exit(
         train_command(
-            config, data=data, target=target, out=out, draft_vocab_size=draft_vocab_size,
-            ttt_steps=ttt_steps, layer_ids=ids, lr=lr, epochs=epochs, max_steps=max_steps,
-            batch_size=batch_size, max_length=max_length, seed=seed,
-            checkpoint_every=checkpoint_every, heldout_fraction=heldout_fraction,
-            eval_prompts=eval_prompts, eval_max_new_tokens=eval_max_new_tokens, threads=threads,
-            nproc=nproc, nnodes=nnodes,
+            config,
+            data=data,
+            target=target,
+            out=out,
+            draft_vocab_size=draft_vocab_size,
+            ttt_steps=ttt_steps,
+            layer_ids=ids,
+            lr=lr,
+            epochs=epochs,
+            max_steps=max_steps,
+            batch_size=batch_size,
+            max_length=max_length,
+            seed=seed,
+            checkpoint_every=checkpoint_every,
+            heldout_fraction=heldout_fraction,
+            eval_prompts=eval_prompts,
+            eval_max_new_tokens=eval_max_new_tokens,
+            threads=threads,
+            nproc=nproc,
+            nnodes=nnodes,
         )  # fmt: skip
     )
 

@@ -66,6 +66,8 @@ _DONE_MARKER = ".eyrie-tiny"
 
 # ChatML, as Qwen-style targets render it. Content may be a string or a list of
 # OpenAI content parts; tool-call arguments may be a JSON string or an object.
+# {% generation %} marks what the assistant produces (through <|im_end|> and the newline
+# after it, as a rendered prefix would), so the loss mask takes one rendering.
 CHAT_TEMPLATE = (
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{ content }}"
@@ -89,6 +91,7 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>user\\n' + render(message.content) + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' -%}"
     "{{ '<|im_start|>assistant\\n' }}"
+    "{%- generation -%}"
     "{%- if message.reasoning_content -%}"
     "{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n' }}"
     "{%- endif -%}"
@@ -101,6 +104,7 @@ CHAT_TEMPLATE = (
     "{{ ', \"arguments\": ' + args + '}\\n</tool_call>' }}"
     "{%- endfor -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endgeneration -%}"
     "{%- elif message.role == 'tool' -%}"
     "{{ '<|im_start|>tool\\n<tool_response>\\n' + render(message.content) }}"
     "{{ '\\n</tool_response><|im_end|>\\n' }}"

@@ -11,15 +11,23 @@ Spans come from ``{% generation %}`` markers when the template has them (the
 shipped Kimi-K2-style template does). A template without markers gets its spans
 from the text of rendered prefixes instead (still one tokenization; the string
 rendering grows with the number of turns), and the manifest says which method ran.
+
+Rendering is Python (Jinja), tokenizing is Rust: batches of conversations go to
+forked worker processes that render, tokenize and mask them, as many as the
+step's memory budget and CPUs allow; the main process keeps the order, counts
+and writes the shards.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
-from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +36,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipeline.memory.units import parse_size
 from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.steps.prep.prep import plan_workers
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
@@ -48,6 +58,7 @@ SHARDS = "shards"
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SHARD_ROWS = 8192
 BATCH = 256
+DEFAULT_WORKER_MEMORY = "256MiB"
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Special tokens a template writes literally; each must be ONE token of the tokenizer,
 # or the rendered markup would be split into pieces the target never saw.
@@ -194,21 +205,33 @@ def span_mask(encoding: Any, spans: list[tuple[int, int]]) -> list[int]:
     return mask
 
 
-def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
-    """``(source, messages, tools)`` per line of a SpecForge-style conversations file."""
+Line = tuple[str, int, str]
+"""``(file, line number, JSON text)`` of one conversation record."""
+
+
+def read_lines(path: Path) -> Iterator[Line]:
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                messages = record["conversations"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise TokenizeError(
-                    f"{path}:{number} is not a conversation record "
-                    "({{id, conversations: [...]}}); regenerate that file"
-                ) from None
-            yield record.get("source") or path.stem, messages, record.get("tools")
+            if line.strip():
+                yield str(path), number, line
+
+
+def parse_conversation(line: Line) -> tuple[str, list[dict], Any]:
+    """``(source, messages, tools)`` of one line of a SpecForge-style conversations file."""
+    path, number, text = line
+    try:
+        record = json.loads(text)
+        messages = record["conversations"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise TokenizeError(
+            f"{path}:{number} is not a conversation record ({{id, conversations: [...]}}); "
+            "regenerate that file"
+        ) from None
+    return record.get("source") or Path(path).stem, messages, record.get("tools")
+
+
+def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
+    return map(parse_conversation, read_lines(path))
 
 
 class ShardWriter:
@@ -290,66 +313,95 @@ class Tokenizer:
         self.special = dict(self.hf.special_tokens_map)
         self.vocab_size = len(self.hf)
 
-    def render_batch(self, conversations: list[tuple[list[dict], Any]]) -> Rendered:
-        """Render each conversation and find its assistant spans (Python, holds the GIL)."""
-        rendered = Rendered()
+    def encode_batch(
+        self, conversations: list[tuple[list[dict], Any]]
+    ) -> list[tuple[list[int], list[int]] | str]:
+        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
+        out: list = []
+        texts, spans, slots = [], [], []
         for messages, tools in conversations:
             try:
                 text, found = assistant_spans(self.template, messages, tools, self.special)
             except TokenizeError:
                 raise
             except Exception:  # a message the template cannot render (wrong types, missing keys)
-                rendered.out.append("render_error")
+                out.append("render_error")
                 continue
-            rendered.slots.append(len(rendered.out))
-            rendered.out.append("")
-            rendered.texts.append(text)
-            rendered.spans.append(found)
-        return rendered
-
-    def encode(self, rendered: Rendered) -> list:
-        """One tokenization per text (Rust, releases the GIL, so it overlaps the next rendering)."""
-        return self.backend.encode_batch(rendered.texts, add_special_tokens=False)
-
-    @staticmethod
-    def finish(rendered: Rendered, encodings: list) -> list[tuple[list[int], list[int]] | str]:
-        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
-        out = rendered.out
-        for slot, encoding, found in zip(rendered.slots, encodings, rendered.spans, strict=True):
+            slots.append(len(out))
+            out.append(None)
+            texts.append(text)
+            spans.append(found)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        for slot, encoding, found in zip(slots, encodings, spans, strict=True):
             out[slot] = (encoding.ids, span_mask(encoding, found))
         return out
 
-    def encode_batch(
-        self, conversations: list[tuple[list[dict], Any]]
-    ) -> list[tuple[list[int], list[int]] | str]:
-        rendered = self.render_batch(conversations)
-        return self.finish(rendered, self.encode(rendered))
+    def encode_lines(self, lines: list[Line]) -> list[tuple[str, tuple[list[int], list[int]] | str]]:
+        """``(source, result)`` per conversation line, in order."""
+        parsed = [parse_conversation(line) for line in lines]
+        results = self.encode_batch([(messages, tools) for _, messages, tools in parsed])
+        return [(source, result) for (source, _, _), result in zip(parsed, results, strict=True)]
 
 
-@dataclass
-class Rendered:
-    texts: list[str] = field(default_factory=list)
-    spans: list[list[tuple[int, int]]] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    """Where each text's result goes in ``out``."""
-    out: list = field(default_factory=list)
-    """Per conversation: a rejection reason, or a place for ``(input_ids, loss_mask)``."""
+_worker_tokenizer: Tokenizer | None = None
+"""Set before the worker pool forks: every worker inherits the loaded tokenizer and template."""
 
 
-def encode_pipelined(
-    encoder: Tokenizer, batches: Iterator[list]
-) -> Iterator[tuple[list, list[tuple[list[int], list[int]] | str]]]:
-    """``(batch, results)`` in order; batch k is tokenized in a thread while batch k+1 renders."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = None
-        for batch in batches:
-            rendered = encoder.render_batch([(m, t) for _, m, t in batch])
-            future = pool.submit(encoder.encode, rendered)
-            if pending is not None:
-                yield pending[0], encoder.finish(pending[1], pending[2].result())
-            pending = (batch, rendered, future)
-        if pending is not None:
-            yield pending[0], encoder.finish(pending[1], pending[2].result())
+def _worker_setup() -> None:
+    # Each worker tokenizes one batch at a time on one core; Rust threads in every worker would
+    # oversubscribe the CPUs the workers already share out.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _encode_in_worker(lines: list[Line]) -> list:
+    assert _worker_tokenizer is not None
+    return _worker_tokenizer.encode_lines(lines)
+
+
+class Encoders:
+    """Batches of lines to results, in order: in this process, or in forked workers.
+
+    The workers are forked before anything else starts a thread here (the progress bar,
+    the tokenizer's Rust threads), and at most ``2 × workers`` batches are in flight, so
+    memory stays flat however long the input is.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, workers: int):
+        global _worker_tokenizer
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.pool: ProcessPoolExecutor | None = None
+        if workers > 1:
+            _worker_tokenizer = tokenizer
+            self.pool = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_setup
+            )
+            self.pool.submit(int).result()  # fork every worker now
+
+    def map(self, batches: Iterable[list[Line]]) -> Iterator[list]:
+        if self.pool is None:
+            yield from map(self.tokenizer.encode_lines, batches)
+            return
+        pending: deque[Future] = deque()
+        try:
+            for batch in batches:
+                pending.append(self.pool.submit(_encode_in_worker, batch))
+                if len(pending) >= 2 * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool:
+            raise TokenizeError(
+                "a tokenize worker process died (killed by a signal, e.g. the OOM killer); give the step "
+                "more memory, or pass --workers 1 or a larger --worker-memory"
+            ) from None
+
+    def __enter__(self) -> Encoders:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:
@@ -372,9 +424,12 @@ def tokenize(
     chat_template: str = "tokenizer",
     max_length: int = DEFAULT_MAX_LENGTH,
     shard_rows: int = DEFAULT_SHARD_ROWS,
+    workers: int | None = None,
+    worker_memory: str = DEFAULT_WORKER_MEMORY,
 ) -> int:
     """Run the step; returns the exit code."""
     try:
+        per_worker = parse_size(worker_memory)
         missing = [str(p) for p in [*conversations, *tokenized] if not Path(p).is_file()]
         if missing:
             raise TokenizeError(
@@ -383,9 +438,11 @@ def tokenize(
         if not conversations and not tokenized:
             raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
         encoder = Tokenizer(Path(tokenizer_dir), chat_template)
-    except TokenizeError as exc:
+    except (TokenizeError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
+    worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)
+    encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     if not encoder.template.markers:
         console.print(
@@ -422,18 +479,16 @@ def tokenize(
         transient=True,
     )
     try:
-        with progress, atomic_path(step_dir / SHARDS) as tmp:
+        with encoders, progress, atomic_path(step_dir / SHARDS) as tmp:
             tmp.mkdir()
             writer = ShardWriter(tmp, shard_rows)
             task = progress.add_task("conversations", total=None)
             try:
                 for path in conversations:
                     progress.update(task, description=str(path.name))
-                    for batch, encoded in encode_pipelined(
-                        encoder, _batches(read_conversations(path), BATCH)
-                    ):
+                    for encoded in encoders.map(_batches(read_lines(path), BATCH)):
                         rows = ([], [], [])
-                        for (source, _, _), result in zip(batch, encoded, strict=True):
+                        for source, result in encoded:
                             if isinstance(result, str):
                                 counts(source).conversations += 1
                                 counts(source).rejected[result] += 1
@@ -444,7 +499,7 @@ def tokenize(
                                 rows[1].append(kept[1])
                                 rows[2].append(source)
                         writer.write(*rows)
-                        progress.advance(task, len(batch))
+                        progress.advance(task, len(encoded))
                 for path in tokenized:
                     progress.update(task, description=str(path.name))
                     _pass_through(path, encoder.vocab_size, keep, counts, writer)
@@ -474,6 +529,7 @@ def tokenize(
             "mask_method": encoder.template.method,
             "max_length": max_length,
             "shards": writer.shards,
+            "workers": worker_facts,
             "totals": totals.as_stats(),
             "sources": {name: c.as_stats() for name, c in sorted(per_source.items())},
         },

@@ -33,6 +33,18 @@ def kimi_tokenizer(tiny_tokenizer, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def unmarked_template(tmp_path_factory) -> Path:
+    """The embedded ChatML template without its {% generation %} markers: spans from rendered prefixes."""
+    import re
+
+    from pipeline.embedded.tiny import CHAT_TEMPLATE
+
+    path = tmp_path_factory.mktemp("unmarked") / "chatml.jinja"
+    path.write_text(re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", CHAT_TEMPLATE))
+    return path
+
+
+@pytest.fixture(scope="session")
 def prepped(tmp_path_factory) -> Path:
     """``eyrie prep --offline`` on the default catalog, once per session."""
     out = tmp_path_factory.mktemp("prep")

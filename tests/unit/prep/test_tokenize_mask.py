@@ -1,8 +1,9 @@
 """The one-pass loss mask equals a slow reference (per-turn prefix tokenization), token for token.
 
 Every sample conversation of the default catalog, answers included, through both
-span methods: the embedded tokenizer's own template (no generation markers:
-prefix-render spans) and the shipped Kimi-K2-style template (generation markers).
+span methods: the embedded tokenizer's own template and the shipped Kimi-K2-style
+template (generation markers), and the embedded template without its markers
+(spans from rendered prefixes).
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ def reference_mask(tokenizer: Tokenizer, messages: list[dict], tools) -> tuple[l
     return full_ids, mask
 
 
-@pytest.mark.parametrize("template", ["tokenizer", "kimi-k2"])
+@pytest.mark.parametrize("template", ["tokenizer", "kimi-k2", "unmarked"])
 def test_one_pass_mask_matches_prefix_reference_on_every_sample(
-    template, tiny_tokenizer, kimi_tokenizer, sample_conversations
+    template, tiny_tokenizer, kimi_tokenizer, unmarked_template, sample_conversations
 ):
-    folder = tiny_tokenizer if template == "tokenizer" else kimi_tokenizer
-    tokenizer = Tokenizer(folder, template)
-    assert tokenizer.template.method == ("prefix_render" if template == "tokenizer" else "generation_markers")
+    folder = kimi_tokenizer if template == "kimi-k2" else tiny_tokenizer
+    tokenizer = Tokenizer(folder, str(unmarked_template) if template == "unmarked" else template)
+    assert tokenizer.template.method == ("prefix_render" if template == "unmarked" else "generation_markers")
     batch = [(record["conversations"], record.get("tools")) for _, record in sample_conversations]
     assert len(batch) > 200 and len({name for name, _ in sample_conversations}) == 9
     encoded = tokenizer.encode_batch(batch)

@@ -53,7 +53,7 @@ def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
         == -(-table.num_rows // 100)
     )
     stats = manifest.stats
-    assert stats["mask_method"] == "prefix_render" and stats["chat_template"] == "tokenizer"
+    assert stats["mask_method"] == "generation_markers" and stats["chat_template"] == "tokenizer"
     assert set(stats["sources"]) == set(table.column("source").to_pylist())
     assert len(stats["sources"]) == 10
     assert stats["totals"]["tokens"] == sum(len(x) for x in table.column("input_ids").to_pylist())
@@ -111,3 +111,39 @@ def test_missing_inputs_and_bad_records_are_one_line_errors(tiny_tokenizer, tmp_
     assert tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == 1
     assert f"{bad}:1 is not a conversation record" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "b" / "shards").exists() and not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_worker_processes_give_the_same_shards_as_one_process(prepped, answered, tiny_tokenizer, tmp_path):
+    inputs = [answered, prepped / "native.jsonl"]
+    assert tokenize(tiny_tokenizer, inputs, [], tmp_path / "one", workers=1) == 0
+    assert tokenize(tiny_tokenizer, inputs, [], tmp_path / "two", workers=2) == 0
+    assert read_manifest(tmp_path / "one").stats["workers"]["workers"] == 1
+    assert read_manifest(tmp_path / "two").stats["workers"]["workers"] == 2
+    assert shards(tmp_path / "two").equals(shards(tmp_path / "one"))  # same rows, same order
+
+
+def test_a_bad_record_fails_the_step_from_a_worker_too(tiny_tokenizer, tmp_path, capsys):
+    lines = [json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": "hello"}]})] * 600  # fmt: skip
+    lines.insert(555, "not json")
+    bad = tmp_path / "conversations.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    assert tokenize(tiny_tokenizer, [bad], [], tmp_path / "out", workers=2) == 1
+    assert f"{bad}:556 is not a conversation record" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_a_killed_worker_fails_the_step_without_shards(
+    prepped, tiny_tokenizer, tmp_path, capsys, monkeypatch
+):
+    import os
+    import signal
+
+    from pipeline.steps.prep.tokenize import Tokenizer
+
+    # Workers are forked, so they inherit the patched method: the first batch kills its worker.
+    monkeypatch.setattr(Tokenizer, "encode_lines", lambda self, lines: os.kill(os.getpid(), signal.SIGKILL))
+    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], tmp_path / "out", workers=2) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "a tokenize worker process died (killed by a signal" in err and "--workers 1" in err
+    assert not (tmp_path / "out" / "shards").exists() and not (tmp_path / "out" / "manifest.json").exists()
