@@ -103,6 +103,73 @@ class Counts:
             "rejected": dict(sorted(self.rejected.items())),
         }
 
+    def add(self, other: Counts) -> None:
+        self.conversations += other.conversations
+        self.rows += other.rows
+        self.tokens += other.tokens
+        self.assistant_tokens += other.assistant_tokens
+        self.truncated += other.truncated
+        self.rejected.update(other.rejected)
+
+
+class Rows:
+    """Rows on their way to a shard, with the per-source counts of what was kept and why not."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.ids: list[list[int]] = []
+        self.masks: list[list[int]] = []
+        self.sources: list[str] = []
+        self.counts: dict[str, Counts] = {}
+
+    def reject(self, source: str, reason: str) -> None:
+        entry = self.counts.setdefault(source, Counts())
+        entry.conversations += 1
+        entry.rejected[reason] += 1
+
+    def keep(self, source: str, ids: list[int], mask: list[int]) -> None:
+        """Truncated to ``max_length``; a row left with no assistant token is rejected."""
+        entry = self.counts.setdefault(source, Counts())
+        entry.conversations += 1
+        if len(ids) > self.max_length:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            entry.truncated += 1
+        assistant = sum(mask)
+        if not assistant:
+            entry.rejected["no_assistant_tokens"] += 1
+            return
+        entry.rows += 1
+        entry.tokens += len(ids)
+        entry.assistant_tokens += assistant
+        self.ids.append(ids)
+        self.masks.append(mask)
+        self.sources.append(source)
+
+    def table(self):
+        """The kept rows as an Arrow table of the shard schema (cheap to send between processes)."""
+        import pyarrow as pa
+
+        return pa.table(
+            {
+                "input_ids": pa.array(self.ids, pa.list_(pa.int32())),
+                "loss_mask": pa.array(self.masks, pa.list_(pa.int8())),
+                "source": pa.array(self.sources, pa.string()),
+            },
+            schema=shard_schema(),
+        )
+
+
+def shard_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("input_ids", pa.list_(pa.int32())),
+            pa.field("loss_mask", pa.list_(pa.int8())),
+            pa.field("source", pa.string()),
+        ]
+    )
+
 
 def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
     """``tokenizer`` (the folder's own template), a shipped name (``kimi-k2``) or a ``.jinja`` path."""
@@ -235,52 +302,33 @@ def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
 
 
 class ShardWriter:
-    """Rows into ``shard-00000.parquet``, ``shard-00001.parquet``, … of ``shard_rows`` rows each."""
+    """Tables into ``shard-00000.parquet``, ``shard-00001.parquet``, … of ``shard_rows`` rows each."""
 
     def __init__(self, folder: Path, shard_rows: int):
-        import pyarrow as pa
-
-        self.pa = pa
         self.folder = folder
         self.shard_rows = shard_rows
-        self.schema = pa.schema(
-            [
-                pa.field("input_ids", pa.list_(pa.int32())),
-                pa.field("loss_mask", pa.list_(pa.int8())),
-                pa.field("source", pa.string()),
-            ]
-        )
+        self.schema = shard_schema()
         self.writer = None
         self.in_shard = 0
         self.shards = 0
         self.rows = 0
 
-    def write(self, ids: list[list[int]], masks: list[list[int]], sources: list[str]) -> None:
+    def write(self, table) -> None:
         import pyarrow.parquet as pq
 
-        pa = self.pa
         start = 0
-        while start < len(ids):
+        while start < table.num_rows:
             if self.writer is None or self.in_shard >= self.shard_rows:
                 self.close()
                 name = self.folder / f"shard-{self.shards:05d}.parquet"
                 self.writer = pq.ParquetWriter(str(name), self.schema)
                 self.shards += 1
                 self.in_shard = 0
-            take = min(len(ids) - start, self.shard_rows - self.in_shard)
-            end = start + take
-            table = pa.table(
-                {
-                    "input_ids": pa.array(ids[start:end], pa.list_(pa.int32())),
-                    "loss_mask": pa.array(masks[start:end], pa.list_(pa.int8())),
-                    "source": pa.array(sources[start:end], pa.string()),
-                },
-                schema=self.schema,
-            )
-            self.writer.write_table(table)
+            take = min(table.num_rows - start, self.shard_rows - self.in_shard)
+            self.writer.write_table(table.slice(start, take))
             self.in_shard += take
             self.rows += take
-            start = end
+            start += take
 
     def close(self) -> None:
         if self.writer is not None:
@@ -336,11 +384,17 @@ class Tokenizer:
             out[slot] = (encoding.ids, span_mask(encoding, found))
         return out
 
-    def encode_lines(self, lines: list[Line]) -> list[tuple[str, tuple[list[int], list[int]] | str]]:
-        """``(source, result)`` per conversation line, in order."""
+    def encode_lines(self, lines: list[Line], max_length: int) -> tuple[Any, dict[str, Counts]]:
+        """The rows of a batch of conversation lines, in order, as an Arrow table, and their counts."""
         parsed = [parse_conversation(line) for line in lines]
+        rows = Rows(max_length)
         results = self.encode_batch([(messages, tools) for _, messages, tools in parsed])
-        return [(source, result) for (source, _, _), result in zip(parsed, results, strict=True)]
+        for (source, _, _), result in zip(parsed, results, strict=True):
+            if isinstance(result, str):
+                rows.reject(source, result)
+            else:
+                rows.keep(source, *result)
+        return rows.table(), rows.counts
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -353,9 +407,9 @@ def _worker_setup() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode_in_worker(lines: list[Line]) -> list:
+def _encode_in_worker(lines: list[Line], max_length: int) -> tuple[Any, dict[str, Counts]]:
     assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_lines(lines)
+    return _worker_tokenizer.encode_lines(lines, max_length)
 
 
 class Encoders:
@@ -378,14 +432,14 @@ class Encoders:
             )
             self.pool.submit(int).result()  # fork every worker now
 
-    def map(self, batches: Iterable[list[Line]]) -> Iterator[list]:
+    def map(self, batches: Iterable[list[Line]], max_length: int) -> Iterator[tuple[Any, dict[str, Counts]]]:
         if self.pool is None:
-            yield from map(self.tokenizer.encode_lines, batches)
+            yield from (self.tokenizer.encode_lines(batch, max_length) for batch in batches)
             return
         pending: deque[Future] = deque()
         try:
             for batch in batches:
-                pending.append(self.pool.submit(_encode_in_worker, batch))
+                pending.append(self.pool.submit(_encode_in_worker, batch, max_length))
                 if len(pending) >= 2 * self.workers:
                     yield pending.popleft().result()
             while pending:
@@ -452,22 +506,9 @@ def tokenize(
         )
     per_source: dict[str, Counts] = {}
 
-    def counts(source: str) -> Counts:
-        return per_source.setdefault(source, Counts())
-
-    def keep(source: str, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]] | None:
-        entry = counts(source)
-        entry.conversations += 1
-        if len(ids) > max_length:
-            ids, mask = ids[:max_length], mask[:max_length]
-            entry.truncated += 1
-        if not any(mask):
-            entry.rejected["no_assistant_tokens"] += 1
-            return None
-        entry.rows += 1
-        entry.tokens += len(ids)
-        entry.assistant_tokens += sum(mask)
-        return ids, mask
+    def count(counts: dict[str, Counts]) -> None:
+        for source, entry in counts.items():
+            per_source.setdefault(source, Counts()).add(entry)
 
     progress = Progress(
         TextColumn("tokenize"),
@@ -486,23 +527,15 @@ def tokenize(
             try:
                 for path in conversations:
                     progress.update(task, description=str(path.name))
-                    for encoded in encoders.map(_batches(read_lines(path), BATCH)):
-                        rows = ([], [], [])
-                        for source, result in encoded:
-                            if isinstance(result, str):
-                                counts(source).conversations += 1
-                                counts(source).rejected[result] += 1
-                                continue
-                            kept = keep(source, *result)
-                            if kept:
-                                rows[0].append(kept[0])
-                                rows[1].append(kept[1])
-                                rows[2].append(source)
-                        writer.write(*rows)
-                        progress.advance(task, len(encoded))
+                    for table, counts in encoders.map(_batches(read_lines(path), BATCH), max_length):
+                        writer.write(table)
+                        count(counts)
+                        progress.advance(task, sum(c.conversations for c in counts.values()))
                 for path in tokenized:
                     progress.update(task, description=str(path.name))
-                    _pass_through(path, encoder.vocab_size, keep, counts, writer)
+                    for table, counts in _pass_through(path, encoder.vocab_size, max_length):
+                        writer.write(table)
+                        count(counts)
             finally:
                 writer.close()
             if writer.rows == 0:
@@ -514,12 +547,7 @@ def tokenize(
     _print_counts(per_source)
     totals = Counts()
     for entry in per_source.values():
-        totals.conversations += entry.conversations
-        totals.rows += entry.rows
-        totals.tokens += entry.tokens
-        totals.assistant_tokens += entry.assistant_tokens
-        totals.truncated += entry.truncated
-        totals.rejected.update(entry.rejected)
+        totals.add(entry)
     write_manifest(
         step_dir,
         [SHARDS],
@@ -541,23 +569,18 @@ def tokenize(
     return 0
 
 
-def _pass_through(path: Path, vocab_size: int, keep, counts, writer: ShardWriter) -> None:
+def _pass_through(path: Path, vocab_size: int, max_length: int) -> Iterator[tuple[Any, dict[str, Counts]]]:
     """Pre-tokenized rows (``input_ids``, ``loss_mask``, ``source``): checked, truncated, kept."""
     import pyarrow.parquet as pq
 
     for batch in pq.ParquetFile(str(path)).iter_batches(columns=["input_ids", "loss_mask", "source"]):
-        rows = ([], [], [])
+        rows = Rows(max_length)
         for ids, mask, source in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
             if ids and max(ids) >= vocab_size:
-                counts(source).conversations += 1
-                counts(source).rejected["id_out_of_vocab"] += 1
-                continue
-            kept = keep(source, ids, mask)
-            if kept:
-                rows[0].append(kept[0])
-                rows[1].append(kept[1])
-                rows[2].append(source)
-        writer.write(*rows)
+                rows.reject(source, "id_out_of_vocab")
+            else:
+                rows.keep(source, ids, mask)
+        yield rows.table(), rows.counts
 
 
 def _print_counts(per_source: dict[str, Counts]) -> None:

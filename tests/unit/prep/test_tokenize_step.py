@@ -142,7 +142,7 @@ def test_a_killed_worker_fails_the_step_without_shards(
     from pipeline.steps.prep.tokenize import Tokenizer
 
     # Workers are forked, so they inherit the patched method: the first batch kills its worker.
-    monkeypatch.setattr(Tokenizer, "encode_lines", lambda self, lines: os.kill(os.getpid(), signal.SIGKILL))
+    monkeypatch.setattr(Tokenizer, "encode_lines", lambda *_: os.kill(os.getpid(), signal.SIGKILL))
     assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], tmp_path / "out", workers=2) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "a tokenize worker process died (killed by a signal" in err and "--workers 1" in err
