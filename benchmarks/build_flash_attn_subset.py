@@ -13,9 +13,10 @@ For each: OOM kills, whether the build completed, and wall time.
 
 Run (about an hour on 2 cores):
   .venv/bin/python -m benchmarks.build_flash_attn_subset --source DIR --python CUDA_TORCH_PY
-      [--headers-python PY] [--budget 11.75GiB] [--max-jobs 2,1]
+      [--headers-python PY] [--cxx-standard c++20] [--budget 11.75GiB] [--max-jobs 2,1]
 CUDA_TORCH_PY is a Python with a CUDA build of torch (setup.py needs one to write its
-ninja file); --headers-python one whose torch headers compile with flash-attn's C++17.
+ninja file); --headers-python one whose torch headers to compile with (default: the same);
+--cxx-standard c++20 for torch >= 2.13's headers, as ``eyrie build flash-attn`` does.
 DIR is an unpacked flash-attn 2.8.3 sdist (``pip download --no-deps --no-binary :all:
 flash-attn==2.8.3`` with FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE, then untar).
 """
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--arch", default="120")
     parser.add_argument("--python", default=sys.executable, help="a Python with a CUDA build of torch")
     parser.add_argument("--headers-python", default=None, help="a Python whose torch headers to compile with")
+    parser.add_argument("--cxx-standard", default=None, help="replaces setup.py's -std=c++17 (e.g. c++20)")
     parser.add_argument(
         "--run-dir",
         type=Path,
@@ -117,6 +119,9 @@ def main() -> None:
         variables = setup_ninja_variables(args.source.resolve(), args.python, CUDA_HOME, args.arch, 1, work)
         headers = args.headers_python or args.python
         variables = with_torch_headers_of(variables, args.python, headers)
+        if args.cxx_standard:
+            raised = f"-std={args.cxx_standard}"
+            variables = {k: v.replace("-std=c++17", raised) for k, v in variables.items()}
         ninja_args = {"variables": variables, "source": args.source.resolve(), "files": files,
                       "extra_include": torch_header_shim(headers, work)}  # fmt: skip
         results = [run_scheduler(budget, cpus, work, args.run_dir, **ninja_args)]
