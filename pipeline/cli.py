@@ -132,7 +132,9 @@ def tokenize(
     ] = None,
     workers: Annotated[
         int | None,
-        typer.Option(help="Processes rendering and tokenizing (default: what memory allows, one per CPU)."),
+        typer.Option(
+            min=1, help="Processes rendering and tokenizing (default: what memory allows, one per CPU)."
+        ),
     ] = None,
     worker_memory: Annotated[
         str, typer.Option(help="Memory one worker may use; divides the budget into workers.")

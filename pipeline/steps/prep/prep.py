@@ -42,12 +42,13 @@ if not console.is_terminal:  # logs: wide enough that the counts table keeps one
     console.width = max(console.width, 150)
 
 
-def plan_workers(sources: int, worker_memory: int, requested: int | None) -> tuple[int, dict]:
-    """How many sources run at once: what the memory budget holds, at most one per CPU."""
+def plan_workers(tasks: int, worker_memory: int, requested: int | None) -> tuple[int, dict]:
+    """How many worker processes run at once: what the memory budget holds, at most one per CPU
+    (and per task)."""
     budget = memory_budget()
     by_memory = max(1, budget.available // worker_memory)
     cpus = len(os.sched_getaffinity(0))
-    workers = max(1, min(sources, cpus, by_memory, requested or sources))
+    workers = max(1, min(tasks, cpus, by_memory, requested or tasks))
     facts = {
         "workers": workers,
         "worker_memory": worker_memory,
@@ -210,7 +211,10 @@ def prep(
         catalog = load_catalog(catalog_path)
         for source in catalog.sources:  # resolve every location up front: fail before any work
             source.location(catalog.base, offline)
-        memory_per_worker = parse_size(worker_memory)
+        try:
+            memory_per_worker = parse_size(worker_memory)
+        except ValueError as exc:
+            raise ValueError(f"--worker-memory: {exc}") from None
     except (CatalogError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2

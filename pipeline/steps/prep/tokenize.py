@@ -150,12 +150,7 @@ class Rows:
         import pyarrow as pa
 
         return pa.table(
-            {
-                "input_ids": pa.array(self.ids, pa.list_(pa.int32())),
-                "loss_mask": pa.array(self.masks, pa.list_(pa.int8())),
-                "source": pa.array(self.sources, pa.string()),
-            },
-            schema=shard_schema(),
+            {"input_ids": self.ids, "loss_mask": self.masks, "source": self.sources}, schema=shard_schema()
         )
 
 
@@ -483,7 +478,10 @@ def tokenize(
 ) -> int:
     """Run the step; returns the exit code."""
     try:
-        per_worker = parse_size(worker_memory)
+        try:
+            per_worker = parse_size(worker_memory)
+        except ValueError as exc:
+            raise TokenizeError(f"--worker-memory: {exc}") from None
         missing = [str(p) for p in [*conversations, *tokenized] if not Path(p).is_file()]
         if missing:
             raise TokenizeError(
@@ -492,7 +490,7 @@ def tokenize(
         if not conversations and not tokenized:
             raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
         encoder = Tokenizer(Path(tokenizer_dir), chat_template)
-    except (TokenizeError, ValueError) as exc:
+    except TokenizeError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)

@@ -147,3 +147,11 @@ def test_a_killed_worker_fails_the_step_without_shards(
     err = " ".join(capsys.readouterr().err.split())
     assert "a tokenize worker process died (killed by a signal" in err and "--workers 1" in err
     assert not (tmp_path / "out" / "shards").exists() and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_bad_worker_memory_is_a_one_line_error_naming_the_option(tiny_tokenizer, tmp_path, capsys):
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("")
+    assert tokenize(tiny_tokenizer, [conversations], [], tmp_path / "out", worker_memory="lots") == 2
+    assert "--worker-memory: invalid size 'lots'" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "out" / "shards").exists()
