@@ -207,7 +207,7 @@ class DockerAttempt:
                 exit_code=code if code is not None and code < 128 else None,
                 signal=code - 128 if code is not None and code > 128 else None,
                 oom_kills_before=0,
-                oom_kills_after=engine_ooms,
+                oom_kills_after=min(engine_ooms, 1),  # events are notifications, not kills (below)
                 oom_at=first_oom,
                 peak_bytes=None,
                 anon_peak_bytes=None,
@@ -218,7 +218,11 @@ class DockerAttempt:
                 where=self.where,
             )
         before, after = facts["oom_kills_before"], facts["oom_kills_after"]
-        after = max(after, before + engine_ooms)
+        # The engine sends an "oom" event per OOM notification of the cgroup, and one kill can
+        # take several (the dying victim's allocations retry): the kernel's counter, read
+        # inside, is the number of kills; the events only prove one where it counted none.
+        if engine_ooms and after == before:
+            after = before + 1
         return Outcome(
             exit_code=facts["exit_code"],
             signal=facts["signal"],
