@@ -52,7 +52,7 @@ def time_encode(encoder, batch: list, repeats: int) -> tuple[float, int]:
         started = time.perf_counter()
         tokens = 0
         for i in range(0, len(batch), BATCH):
-            for ids, _ in encoder.encode_batch(batch[i : i + BATCH]):
+            for ids, _, _ in encoder.encode_batch(batch[i : i + BATCH]):
                 tokens += len(ids)
         times.append(time.perf_counter() - started)
     return median(times), tokens

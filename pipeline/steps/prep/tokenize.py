@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.memory.units import parse_size
 from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.steps.prep.pieces import Pieces
 from pipeline.steps.prep.prep import plan_workers
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
@@ -91,6 +92,7 @@ class Counts:
     tokens: int = 0
     assistant_tokens: int = 0
     truncated: int = 0
+    in_pieces: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
 
     def as_stats(self) -> dict[str, Any]:
@@ -100,6 +102,7 @@ class Counts:
             "tokens": self.tokens,
             "assistant_tokens": self.assistant_tokens,
             "truncated": self.truncated,
+            "tokenized_in_pieces": self.in_pieces,
             "rejected": dict(sorted(self.rejected.items())),
         }
 
@@ -109,6 +112,7 @@ class Counts:
         self.tokens += other.tokens
         self.assistant_tokens += other.assistant_tokens
         self.truncated += other.truncated
+        self.in_pieces += other.in_pieces
         self.rejected.update(other.rejected)
 
 
@@ -127,10 +131,11 @@ class Rows:
         entry.conversations += 1
         entry.rejected[reason] += 1
 
-    def keep(self, source: str, ids: list[int], mask: list[int]) -> None:
+    def keep(self, source: str, ids: list[int], mask: list[int], in_pieces: bool = False) -> None:
         """Truncated to ``max_length``; a row left with no assistant token is rejected."""
         entry = self.counts.setdefault(source, Counts())
         entry.conversations += 1
+        entry.in_pieces += in_pieces
         if len(ids) > self.max_length:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             entry.truncated += 1
@@ -352,31 +357,56 @@ class Tokenizer:
         if not self.hf.is_fast:
             raise TokenizeError(f"the tokenizer in {folder} is not a fast tokenizer (no character offsets)")
         self.backend = self.hf.backend_tokenizer
+        # A tokenizer.json may carry truncation or padding; a conversation is cut only by --max-length.
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.pieces = Pieces.for_tokenizer(self.hf)
         self.template = load_template(chat_template, self.hf)
         self.special = dict(self.hf.special_tokens_map)
         self.vocab_size = len(self.hf)
 
     def encode_batch(
         self, conversations: list[tuple[list[dict], Any]]
-    ) -> list[tuple[list[int], list[int]] | str]:
-        """Per conversation: ``(input_ids, loss_mask)``, or the reason it was rejected."""
+    ) -> list[tuple[list[int], list[int], bool] | str]:
+        """Per conversation: ``(input_ids, loss_mask, tokenized in pieces)``, or the reason it was
+        rejected. A conversation whose span edges all touch added tokens is tokenized in pieces,
+        without offsets (see ``pieces.py``); any other, whole, with offsets."""
         out: list = []
-        texts, spans, slots = [], [], []
+        whole: list[tuple[int, str, list[tuple[int, int]]]] = []
+        cut: list[tuple[int, str, list]] = []
         for messages, tools in conversations:
             try:
-                text, found = assistant_spans(self.template, messages, tools, self.special)
+                text, spans = assistant_spans(self.template, messages, tools, self.special)
             except TokenizeError:
                 raise
             except Exception:  # a message the template cannot render (wrong types, missing keys)
                 out.append("render_error")
                 continue
-            slots.append(len(out))
+            pieces = self.pieces.cut(text, spans) if self.pieces else None
+            if pieces is None:
+                whole.append((len(out), text, spans))
+            else:
+                cut.append((len(out), text, pieces))
             out.append(None)
-            texts.append(text)
-            spans.append(found)
-        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
-        for slot, encoding, found in zip(slots, encodings, spans, strict=True):
-            out[slot] = (encoding.ids, span_mask(encoding, found))
+        if whole:
+            encodings = self.backend.encode_batch([text for _, text, _ in whole], add_special_tokens=False)
+            for (slot, _, spans), encoding in zip(whole, encodings, strict=True):
+                out[slot] = (encoding.ids, span_mask(encoding, spans), False)
+        if cut:
+            texts = [text[start:end] for _, text, pieces in cut for start, end, _ in pieces]
+            encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+            first = 0
+            for slot, _, pieces in cut:
+                ids: list[int] = []
+                mask: list[int] = []
+                for (_, _, value), encoding in zip(
+                    pieces, encodings[first : first + len(pieces)], strict=True
+                ):
+                    piece = encoding.ids
+                    ids += piece
+                    mask += [value] * len(piece)
+                first += len(pieces)
+                out[slot] = (ids, mask, True)
         return out
 
     def encode_lines(self, lines: list[Line], max_length: int) -> tuple[Any, dict[str, Counts]]:

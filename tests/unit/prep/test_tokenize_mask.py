@@ -57,13 +57,21 @@ def test_one_pass_mask_matches_prefix_reference_on_every_sample(
     batch = [(record["conversations"], record.get("tools")) for _, record in sample_conversations]
     assert len(batch) > 200 and len({name for name, _ in sample_conversations}) == 9
     encoded = tokenizer.encode_batch(batch)
+    pieces = 0
     for (name, record), result, (messages, tools) in zip(sample_conversations, encoded, batch, strict=True):
         assert not isinstance(result, str), (name, record["id"], result)
-        ids, mask = result
+        ids, mask, in_pieces = result
+        pieces += in_pieces
         expected_ids, expected_mask = reference_mask(tokenizer, messages, tools)
         assert ids == expected_ids, (name, record["id"])
         assert mask == expected_mask, (name, record["id"])
         assert 0 < sum(mask) < len(mask)
+    # Kimi's spans start after <|im_middle|> and end with <|im_end|>: every conversation goes in
+    # pieces. ChatML's start after "assistant\n": in pieces only where each turn opens with <think>.
+    if template == "kimi-k2":
+        assert pieces == len(batch)
+    else:
+        assert 0 < pieces < len(batch)
 
 
 def test_kimi_mask_covers_reasoning_tool_calls_and_end_of_turn_only(kimi_tokenizer):
@@ -80,7 +88,7 @@ def test_kimi_mask_covers_reasoning_tool_calls_and_end_of_turn_only(kimi_tokeniz
         {"role": "tool", "content": "468G free", "tool_call_id": "functions.terminal:0"},
         {"role": "assistant", "content": "468 GB free."},
     ]  # fmt: skip
-    ((ids, mask),) = tokenizer.encode_batch([(messages, None)])
+    ((ids, mask, _),) = tokenizer.encode_batch([(messages, None)])
     decode = tokenizer.hf.decode
     masked = decode([i for i, m in zip(ids, mask, strict=True) if m])
     unmasked = decode([i for i, m in zip(ids, mask, strict=True) if not m])

@@ -58,6 +58,8 @@ def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
     assert len(stats["sources"]) == 10
     assert stats["totals"]["tokens"] == sum(len(x) for x in table.column("input_ids").to_pylist())
     assert stats["totals"]["assistant_tokens"] == sum(sum(x) for x in table.column("loss_mask").to_pylist())
+    # ChatML opens the answer after "assistant\n": only answers that open with <think> go in pieces
+    assert 0 < stats["totals"]["tokenized_in_pieces"] < stats["totals"]["rows"]
     for ids, mask in zip(
         table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True
     ):
