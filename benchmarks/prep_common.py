@@ -47,7 +47,7 @@ def sample_conversations() -> list[dict]:
             result = prepare_source(
                 native, native.location(catalog.base, True), Path(parts) / source.name, 100
             )
-            with open(result.part, encoding="utf-8") as fh:
+            with open(result.parts[0], encoding="utf-8") as fh:
                 out += [json.loads(line.split("\t", 1)[1]) for line in fh]
     return out
 

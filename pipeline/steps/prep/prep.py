@@ -1,8 +1,9 @@
 """``eyrie prep``: a catalog of sources in, ``prompts.jsonl`` + native conversations + native tokens out.
 
 Sources run in parallel worker processes, as many as the step's memory budget
-holds (``memory_budget().available // --worker-memory``, at most one per CPU).
-Each writes its own part; the merge then dedups across sources (first source
+holds (``memory_budget().available // --worker-memory``, at most one per CPU);
+workers left over once every source has one read slices of the sources without a
+quota. Each source (slice) writes its own part; the merge then dedups across sources (first source
 in catalog order wins), shuffles deterministically with the seed, and writes
 the outputs atomically. A failed source, or one with 0 accepted records, fails
 the step with the per-source table, and no output is written.
@@ -10,10 +11,13 @@ the step with the per-source table, and no output is written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 import multiprocessing
 import os
 import shutil
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -59,16 +63,29 @@ def plan_workers(tasks: int, worker_memory: int, requested: int | None) -> tuple
     return workers, facts
 
 
+def plan_slices(catalog: Catalog, workers: int) -> dict[str, int]:
+    """Slices per source: one each, and the workers left over go, in turn, to the sources without a
+    quota (a quota is the first N records, which only one reader in order can take)."""
+    slices = {source.name: 1 for source in catalog.sources}
+    open_ended = [source.name for source in catalog.sources if source.quota is None]
+    for spare in range(max(0, workers - len(catalog.sources)) if open_ended else 0):
+        slices[open_ended[spare % len(open_ended)]] += 1
+    return slices
+
+
 def run_sources(
-    catalog: Catalog, parts: Path, offline: bool, workers: int, probe_rows: int
+    catalog: Catalog, parts: Path, offline: bool, workers: int, slices: dict[str, int], probe_rows: int
 ) -> list[SourceResult]:
-    """Prepare every source in worker processes; results in catalog order."""
-    locations = {}
-    for source in catalog.sources:
-        locations[source.name] = source.location(catalog.base, offline)
+    """Prepare every source (every slice of one) in worker processes; results in catalog order."""
+    tasks = [
+        (source, index, count)
+        for source in catalog.sources
+        for count in [slices[source.name]]
+        for index in range(count)
+    ]
     # spawn: a fresh interpreter per worker, no inherited pyarrow thread pools or locks.
     context = multiprocessing.get_context("spawn")
-    results: dict[str, SourceResult] = {}
+    pieces: dict[tuple[str, int], SourceResult] = {}
     progress = Progress(
         TextColumn("prep"),
         BarColumn(),
@@ -80,19 +97,20 @@ def run_sources(
     )
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_setup)
     with progress, pool:
-        task = progress.add_task("sources", total=len(catalog.sources))
+        task = progress.add_task("sources", total=len(tasks))
         futures = {
             pool.submit(
                 prepare_source,
                 source,
-                locations[source.name],
-                parts / f"{source.name}.part",
+                source.location(catalog.base, offline),
+                parts / (f"{source.name}.part" if count == 1 else f"{source.name}.{index}.part"),
                 probe_rows,
-            ): source
-            for source in catalog.sources
+                (index, count),
+            ): (source, index)
+            for source, index, count in tasks
         }
         for future in as_completed(futures):
-            source = futures[future]
+            source, index = futures[future]
             try:
                 result = future.result()
             except BrokenProcessPool:
@@ -102,9 +120,15 @@ def run_sources(
                     f"source {source.name!r}: its worker process died (killed by a signal, e.g. the OOM "
                     "killer); give the step more memory, or pass --workers 1 or a larger --worker-memory"
                 )
-            results[result.name] = result
+            pieces[source.name, index] = result
             progress.update(task, advance=1, description=result.name)
-    return [results[s.name] for s in catalog.sources]
+    results = []
+    for source in catalog.sources:
+        result = pieces[source.name, 0]
+        for index in range(1, slices[source.name]):
+            result.absorb(pieces[source.name, index])
+        results.append(result)
+    return results
 
 
 def _worker_setup() -> None:
@@ -113,42 +137,45 @@ def _worker_setup() -> None:
     os.environ["USE_TORCH"] = "0"
 
 
-def _shuffle_key(seed: int, key: str) -> bytes:
-    return hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+def _shuffle_key(seed: int, key: bytes) -> bytes:
+    return hashlib.blake2b(f"{seed}:".encode() + key, digest_size=8).digest()
 
 
 def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) -> int:
     """Dedup across sources, shuffle by a seeded hash, and write the records; returns the count.
 
-    Only (shuffle key, file, offset) triples are held in memory, not the records.
+    Only (shuffle key, file, start, end) entries are held in memory, not the records; the records
+    are then copied out of the memory-mapped parts in shuffled order.
     """
-    seen: set[str] = set()
-    index: list[tuple[bytes, int, int]] = []
-    files = [r for r in results if r.kind == kind]
-    for number, result in enumerate(files):
-        with open(result.part, "rb") as fh:
+    seen: set[bytes] = set()
+    index: list[tuple[bytes, int, int, int]] = []
+    files = [(result, part) for result in results if result.kind == kind for part in result.parts]
+    for number, (result, part) in enumerate(files):
+        with open(part, "rb") as fh:
             offset = 0
             for line in fh:
-                key = line[: line.index(b"\t")].decode()
+                tab = line.index(b"\t")
+                key = line[:tab]
                 if key in seen:
                     result.duplicates += 1
                     result.accepted -= 1
                 else:
                     seen.add(key)
-                    index.append((_shuffle_key(seed, key), number, offset))
+                    index.append((_shuffle_key(seed, key), number, offset + tab + 1, offset + len(line)))
                 offset += len(line)
     index.sort()
-    handles = [open(r.part, "rb") for r in files]
-    try:
+    with contextlib.ExitStack() as stack:
+        maps = [
+            stack.enter_context(
+                mmap.mmap(stack.enter_context(open(part, "rb")).fileno(), 0, access=mmap.ACCESS_READ)
+            )
+            if os.path.getsize(part)
+            else b""
+            for _, part in files
+        ]
         with atomic_path(out) as tmp, open(tmp, "wb") as dest:
-            for _, number, offset in index:
-                handle = handles[number]
-                handle.seek(offset)
-                line = handle.readline()
-                dest.write(line[line.index(b"\t") + 1 :])
-    finally:
-        for handle in handles:
-            handle.close()
+            for _, number, start, end in index:
+                dest.write(maps[number][start:end])
     return len(index)
 
 
@@ -162,8 +189,8 @@ def merge_tokenized(results: list[SourceResult], out: Path) -> int:
     with atomic_path(out) as tmp:
         writer = pq.ParquetWriter(str(tmp), schema)
         try:
-            for result in (r for r in results if r.kind == "tokenized"):
-                for batch in pq.ParquetFile(result.part).iter_batches():
+            for result, part in ((r, p) for r in results if r.kind == "tokenized" for p in r.parts):
+                for batch in pq.ParquetFile(part).iter_batches():
                     keys = batch.column("key").to_pylist()
                     keep = []
                     for i, key in enumerate(keys):
@@ -228,13 +255,19 @@ def prep(
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir()
 
-    count, facts = plan_workers(len(catalog.sources), memory_per_worker, workers)
+    # A source without a quota can be read in slices by any number of workers.
+    open_ended = any(source.quota is None for source in catalog.sources)
+    count, facts = plan_workers(
+        sys.maxsize if open_ended else len(catalog.sources), memory_per_worker, workers
+    )
     console.print(
         f"prep: {len(catalog.sources)} sources, {count} at a time "
         f"(budget {format_size(facts['budget_available'])} from {facts['budget_binding']}, "
         f"{format_size(memory_per_worker)} per worker, {facts['cpus']} CPUs)"
     )
-    results = run_sources(catalog, parts, offline, count, probe_rows)
+    slices = plan_slices(catalog, count)
+    facts["slices"] = {name: n for name, n in slices.items() if n > 1}
+    results = run_sources(catalog, parts, offline, count, slices, probe_rows)
 
     failed = [r for r in results if r.error or not r.accepted]
     if failed:

@@ -1,9 +1,11 @@
 """Reading one source: open it through HF ``datasets`` (streaming), adapt each row, count everything.
 
-One source runs in one worker process and writes one part file. A part line is
-``<dedup key>\\t<record JSON>``, so the merge can dedup and shuffle across
-sources without parsing records again. Every row is counted: read, accepted,
-duplicate, or rejected under a reason.
+A source runs in one worker process, or, when workers outnumber sources, in
+several, each reading a contiguous slice of it (its files or parquet row
+groups); each slice writes one part file. A part line is ``<dedup key>\\t<record
+JSON>``, so the merge can dedup and shuffle across slices and sources without
+parsing records again. Every row is counted: read, accepted, duplicate, or
+rejected under a reason.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pipeline.steps.prep.catalog import LOCAL_SUFFIXES, Source
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZED_BATCH = 1024
+ROW_BATCH = 256
 
 
 class SourceError(RuntimeError):
@@ -43,7 +46,8 @@ class SourceResult:
     native: bool
     kind: str
     """``prompts``, ``native`` (conversations) or ``tokenized``."""
-    part: str | None = None
+    parts: list[str] = field(default_factory=list)
+    """The part files, in the source's order."""
     read: int = 0
     accepted: int = 0
     duplicates: int = 0
@@ -65,6 +69,17 @@ class SourceResult:
             "seconds": round(self.seconds, 3),
             "worker_peak_rss": self.worker_peak_rss,
         }
+
+    def absorb(self, other: SourceResult) -> None:
+        """Add the counts and part of a later slice of the same source."""
+        self.parts += other.parts
+        self.read += other.read
+        self.accepted += other.accepted
+        self.duplicates += other.duplicates
+        self.rejected = dict(Counter(self.rejected) + Counter(other.rejected))
+        self.error = self.error or other.error
+        self.seconds = max(self.seconds, other.seconds)
+        self.worker_peak_rss = max(self.worker_peak_rss, other.worker_peak_rss)
 
 
 def kind_of(source: Source) -> str:
@@ -150,16 +165,20 @@ def tokenized_key(item: Tokenized) -> str:
     return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
-def prepare_source(source: Source, location: str, part: Path, probe_rows: int) -> SourceResult:
-    """Read, adapt, filter and dedup one source into ``part``; never raises (errors go in the result)."""
+def prepare_source(
+    source: Source, location: str, part: Path, probe_rows: int, piece: tuple[int, int] = (0, 1)
+) -> SourceResult:
+    """Read, adapt, filter and dedup one source, or slice ``piece = (index, count)`` of it, into
+    ``part``; never raises (errors go in the result). Only the first slice holds the source's first
+    rows, so only it probes them for a schema mismatch."""
     import time
 
     started = time.monotonic()
     result = SourceResult(source.name, source.format, source.native, kind_of(source))
     rejected: Counter[str] = Counter()
     try:
-        _run(source, location, part, probe_rows, result, rejected)
-        result.part = str(part)
+        _run(source, location, part, probe_rows, piece, result, rejected)
+        result.parts = [str(part)]
     except SourceError as exc:
         result.error = str(exc)
     except Exception as exc:  # a reader or adapter failure: name the source, keep one line
@@ -176,12 +195,14 @@ def _run(
     location: str,
     part: Path,
     probe_rows: int,
+    piece: tuple[int, int],
     result: SourceResult,
     rejected: Counter[str],
 ) -> None:
     adapter = ADAPTERS[source.format]
-    rows = open_rows(location, source)
-    iterator = iter(rows)
+    rows = _slice(open_rows(location, source), *piece)
+    probing = piece[0] == 0
+    iterator = _python_rows(rows)
     seen: set[str] = set()
     first_row: dict | None = None
     try:
@@ -215,9 +236,9 @@ def _run(
                                 out.write(f"{key}\t{line}\n")
                             if source.quota is not None and result.accepted >= source.quota:
                                 break
-                    if result.read == probe_rows and result.accepted == 0:
+                    if probing and result.read == probe_rows and result.accepted == 0:
                         break
-                if result.accepted == 0 and result.read:
+                if probing and result.accepted == 0 and result.read:
                     raise SourceError(_mismatch(source, result.read, rejected, first_row or {}))
     finally:
         # Close the streaming iterator and collect it now, while pyarrow is fully alive: a
@@ -228,6 +249,39 @@ def _run(
             close()
         del iterator, rows
         gc.collect()
+
+
+def _python_rows(rows):
+    """The rows as dicts, converted from Arrow a batch at a time (row by row costs more). Columns
+    that ``datasets`` stores as extension types (JSON values of mixed types) are decoded its way."""
+    import datasets
+    import pyarrow as pa
+
+    for table in rows.with_format("arrow").iter(batch_size=ROW_BATCH):
+        if not any(_has_extension(f.type, pa) for f in table.schema):
+            yield from table.to_pylist()
+            continue
+        features = datasets.Features.from_arrow_schema(table.schema)
+        batch = datasets.formatting.PythonFormatter(features=features).format_batch(table)
+        keys = list(batch)
+        for values in zip(*batch.values(), strict=True):
+            yield dict(zip(keys, values, strict=True))
+
+
+def _has_extension(kind, pa) -> bool:
+    if isinstance(kind, pa.BaseExtensionType):
+        return True
+    return any(_has_extension(kind.field(i).type, pa) for i in range(kind.num_fields))
+
+
+def _slice(rows, index: int, count: int):
+    """Slice ``index`` of ``count`` contiguous slices of the source's shards (files, or parquet row
+    groups once resharded); a source with fewer shards than slices leaves the last slices empty."""
+    if count == 1:
+        return rows
+    rows = rows.reshard()
+    usable = min(count, rows.num_shards)
+    return rows.shard(usable, index, contiguous=True) if index < usable else rows.take(0)
 
 
 def _mismatch(source: Source, read: int, rejected: Counter[str], row: dict) -> str:

@@ -64,6 +64,6 @@ def sample_conversations(tmp_path_factory) -> list[tuple[str, dict]]:
         native = source.model_copy(update={"native": True, "quota": None})
         result = prepare_source(native, native.location(catalog.base, True), parts / source.name, 100)
         assert result.error is None, result.error
-        with open(result.part, encoding="utf-8") as fh:
+        with open(result.parts[0], encoding="utf-8") as fh:
             out += [(source.name, json.loads(line.split("\t", 1)[1])) for line in fh]
     return out

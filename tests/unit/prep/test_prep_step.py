@@ -178,3 +178,48 @@ def test_malformed_rows_are_counted_not_fatal(tmp_path):
     stats = read_manifest(out).stats["sources"]["odd"]
     assert stats["accepted"] == 1
     assert stats["rejected"] == {"malformed_TypeError": 1, "non_text_content": 1}
+
+
+def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(tmp_path):
+    """Two workers and one source: each reads a contiguous half of its parquet row groups. The
+    outputs and counts are those of one worker reading it all: duplicates across the halves are
+    found by the merge, rejections are counted in the half that read them."""
+    import pyarrow as pa
+
+    rows = [json.loads(line) for line in (SAMPLES / "ultrachat_200k.jsonl").read_text().splitlines()]
+    lone_answer = {"messages": [{"role": "assistant", "content": "an answer to nothing"}]}
+    rows += rows[:7] + [lone_answer]  # duplicates in the second half, one rejection
+    data = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=8)
+    catalog = write_catalog(tmp_path, [{"name": "chats", "data": str(data), "format": "messages"}])
+    outputs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers-{workers}"
+        assert prep(catalog, out, workers=workers) == 0
+        manifest = read_manifest(out)
+        assert manifest.stats["parallel"]["slices"] == ({} if workers == 1 else {"chats": 2})
+        outputs[workers] = (
+            (out / "prompts.jsonl").read_bytes(),
+            {
+                k: v
+                for k, v in manifest.stats["sources"]["chats"].items()
+                if k not in ("seconds", "worker_peak_rss")
+            },
+        )
+        assert not (out / ".parts").exists()
+    assert outputs[1] == outputs[2]
+    counts = outputs[1][1]
+    # the sample holds one duplicate and one prompt-less row of its own
+    assert counts["duplicates"] == 1 + 7 and counts["rejected"] == {"empty_prompt": 1 + 1}
+    assert counts["read"] == len(rows)
+
+
+def test_spare_workers_slice_the_sources_without_a_quota(tmp_path):
+    from pipeline.steps.prep.prep import plan_slices
+
+    gsm = {"data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs"}
+    catalog = load_catalog(
+        write_catalog(tmp_path, [{"name": "capped", "quota": 5, **gsm}, {"name": "open", **gsm}])
+    )
+    assert plan_slices(catalog, 1) == plan_slices(catalog, 2) == {"capped": 1, "open": 1}
+    assert plan_slices(catalog, 5) == {"capped": 1, "open": 4}
