@@ -82,14 +82,14 @@ class Pieces:
         return any(m is not None and self._isolated(m.group()) for m in (before, after))
 
     def _isolated(self, token: str) -> bool:
-        """No other added token contains ``token`` or can begin inside it: wherever ``token``
-        appears, the tokenizer's leftmost-longest match picks exactly it."""
+        """No added token (itself included) can begin before ``token`` and run into it, and none
+        contains it: wherever ``token`` appears, the tokenizer's leftmost-longest match picks it."""
         known = self.isolated.get(token)
         if known is None:
-            known = all(
-                token not in other and not any(other.endswith(token[:i]) for i in range(1, len(token)))
+            prefixes = [token[:i] for i in range(1, len(token))]
+            known = not any(
+                (other != token and token in other) or any(map(other.endswith, prefixes))
                 for other in self.contents
-                if other != token
             )
             self.isolated[token] = known
         return known

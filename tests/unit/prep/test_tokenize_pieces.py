@@ -36,6 +36,7 @@ def test_added_tokens_that_strip_or_overlap_do_not_cut(tiny_tokenizer):
             AddedToken("<a|b>", normalized=False),
             AddedToken("x<a", normalized=False),
             AddedToken("<c|d>", normalized=False),
+            AddedToken("<e|<e|", normalized=False),
         ]
     )
     pieces = Pieces.for_tokenizer(hf)
@@ -47,6 +48,9 @@ def test_added_tokens_that_strip_or_overlap_do_not_cut(tiny_tokenizer):
     text = "questionx<a|b>answer"
     tokens = hf.convert_ids_to_tokens(hf.backend_tokenizer.encode(text, add_special_tokens=False).ids)
     assert "x<a" in tokens and "<a|b>" not in tokens
+    assert pieces.cut(text, [(text.index("answer"), len(text))]) is None
+    # "<e|<e|" can overlap itself: in "<e|<e|<e|" only the first is a token, not the one ending last
+    text = "question<e|<e|<e|answer"
     assert pieces.cut(text, [(text.index("answer"), len(text))]) is None
     # "<c|d>" can overlap nothing: an edge after it cuts
     text = "question<c|d>answer"
