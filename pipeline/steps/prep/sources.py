@@ -279,7 +279,8 @@ def _slice(rows, index: int, count: int):
     groups once resharded); a source with fewer shards than slices leaves the last slices empty."""
     if count == 1:
         return rows
-    rows = rows.reshard()
+    if rows.num_shards < count:  # split files into row groups only when there are too few files
+        rows = rows.reshard()
     usable = min(count, rows.num_shards)
     return rows.shard(usable, index, contiguous=True) if index < usable else rows.take(0)
 

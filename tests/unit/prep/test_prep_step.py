@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from pipeline.run.manifest import check_manifest, read_manifest
@@ -180,17 +181,25 @@ def test_malformed_rows_are_counted_not_fatal(tmp_path):
     assert stats["rejected"] == {"malformed_TypeError": 1, "non_text_content": 1}
 
 
-def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(tmp_path):
-    """Two workers and one source: each reads a contiguous half of its parquet row groups. The
-    outputs and counts are those of one worker reading it all: duplicates across the halves are
-    found by the merge, rejections are counted in the half that read them."""
+@pytest.mark.parametrize("layout", ["parquet row groups", "jsonl files"])
+def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layout, tmp_path):
+    """Two workers and one source: each reads a contiguous half of it (its parquet row groups, or
+    its files). The outputs and counts are those of one worker reading it all: duplicates across
+    the halves are found by the merge, rejections are counted in the half that read them."""
     import pyarrow as pa
 
     rows = [json.loads(line) for line in (SAMPLES / "ultrachat_200k.jsonl").read_text().splitlines()]
     lone_answer = {"messages": [{"role": "assistant", "content": "an answer to nothing"}]}
     rows += rows[:7] + [lone_answer]  # duplicates in the second half, one rejection
-    data = tmp_path / "chats.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=8)
+    if layout == "parquet row groups":
+        data = tmp_path / "chats.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=8)
+    else:
+        data = tmp_path / "chats"
+        data.mkdir()
+        for number, start in enumerate(range(0, len(rows), 10)):
+            part = rows[start : start + 10]
+            (data / f"part-{number}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     catalog = write_catalog(tmp_path, [{"name": "chats", "data": str(data), "format": "messages"}])
     outputs = {}
     for workers in (1, 2):
