@@ -3,9 +3,9 @@
 Sources run in parallel worker processes, as many as the step's memory budget
 holds (``memory_budget().available // --worker-memory``, at most one per CPU);
 workers left over once every source has one read slices of the sources without a
-quota. Each source (slice) writes its own part; the merge then dedups across sources (first source
-in catalog order wins), shuffles deterministically with the seed, and writes
-the outputs atomically. A failed source, or one with 0 accepted records, fails
+quota. Each source (slice) writes its own part; the merge then dedups across
+sources (first source in catalog order wins), shuffles deterministically with the
+seed, and writes the outputs atomically. A failed source, or one with 0 accepted records, fails
 the step with the per-source table, and no output is written.
 """
 
