@@ -260,13 +260,15 @@ def prep(
     count, facts = plan_workers(
         sys.maxsize if open_ended else len(catalog.sources), memory_per_worker, workers
     )
-    console.print(
-        f"prep: {len(catalog.sources)} sources, {count} at a time "
-        f"(budget {format_size(facts['budget_available'])} from {facts['budget_binding']}, "
-        f"{format_size(memory_per_worker)} per worker, {facts['cpus']} CPUs)"
-    )
     slices = plan_slices(catalog, count)
     facts["slices"] = {name: n for name, n in slices.items() if n > 1}
+    sliced = "".join(f", {name} in {n} slices" for name, n in facts["slices"].items())
+    console.print(
+        f"prep: {len(catalog.sources)} sources, {count} at a time{sliced} "
+        f"(budget {format_size(facts['budget_available'])} from {facts['budget_binding']}, "
+        f"{format_size(memory_per_worker)} per worker, {facts['cpus']} CPUs)",
+        markup=False,
+    )
     results = run_sources(catalog, parts, offline, count, slices, probe_rows)
 
     failed = [r for r in results if r.error or not r.accepted]

@@ -182,7 +182,7 @@ def test_malformed_rows_are_counted_not_fatal(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["parquet row groups", "jsonl files"])
-def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layout, tmp_path):
+def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layout, tmp_path, capsys):
     """Two workers and one source: each reads a contiguous half of it (its parquet row groups, or
     its files). The outputs and counts are those of one worker reading it all: duplicates across
     the halves are found by the merge, rejections are counted in the half that read them."""
@@ -207,6 +207,7 @@ def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layo
         assert prep(catalog, out, workers=workers) == 0
         manifest = read_manifest(out)
         assert manifest.stats["parallel"]["slices"] == ({} if workers == 1 else {"chats": 2})
+        assert ("chats in 2 slices" in capsys.readouterr().err) == (workers == 2)
         outputs[workers] = (
             (out / "prompts.jsonl").read_bytes(),
             {
