@@ -126,7 +126,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         for template in args.templates:
-            raw_times, fast_times, our_times, tokens, conversations = [], [], [], 0, 1
+            raw_times, fast_times, our_times, tokens, conversations = [], [], [], 0, 0
             for repeat in range(args.repeats):
                 seconds, native = ours(
                     catalog, *folders[template], work / f"{template}-{repeat}", args.workers

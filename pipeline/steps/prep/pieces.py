@@ -36,11 +36,12 @@ class Pieces:
             for token in added
             if not (token.normalized or token.lstrip or token.rstrip or token.single_word)
         }
-        self.isolated: dict[str, bool] = {}
+        self._isolated_known: dict[str, bool] = {}
         self.longest = max(map(len, self.splitting), default=0)
-        alternation = "|".join(map(re.escape, sorted(self.splitting, key=len, reverse=True)))
-        self.starting = re.compile(f"(?:{alternation})") if alternation else None
-        self.ending = re.compile(rf"(?:{alternation})\Z") if alternation else None
+        # no splitting token: "(?!)" matches nowhere, so no edge is a cut point
+        alternation = "|".join(map(re.escape, sorted(self.splitting, key=len, reverse=True))) or "(?!)"
+        self.starting = re.compile(f"(?:{alternation})")
+        self.ending = re.compile(rf"(?:{alternation})\Z")
 
     @classmethod
     def for_tokenizer(cls, hf_tokenizer: Any) -> Pieces | None:
@@ -48,8 +49,7 @@ class Pieces:
         backend = hf_tokenizer.backend_tokenizer
         if not hasattr(backend, "encode_batch_fast"):
             return None
-        pre_tokenizer = backend.pre_tokenizer
-        if pre_tokenizer is not None and _first_split_only(json.loads(pre_tokenizer.__getstate__())):
+        if _first_split_only(json.loads(backend.to_str()).get("pre_tokenizer")):
             return None
         pieces = cls(hf_tokenizer)
         return pieces if pieces.splitting else None
@@ -76,7 +76,6 @@ class Pieces:
         return pieces
 
     def _splits_at(self, text: str, edge: int) -> bool:
-        assert self.starting is not None and self.ending is not None
         before = self.ending.search(text, max(0, edge - self.longest), edge)
         after = self.starting.match(text, edge)
         return any(m is not None and self._isolated(m.group()) for m in (before, after))
@@ -84,14 +83,14 @@ class Pieces:
     def _isolated(self, token: str) -> bool:
         """No added token (itself included) can begin before ``token`` and run into it, and none
         contains it: wherever ``token`` appears, the tokenizer's leftmost-longest match picks it."""
-        known = self.isolated.get(token)
+        known = self._isolated_known.get(token)
         if known is None:
             prefixes = [token[:i] for i in range(1, len(token))]
             known = not any(
                 (other != token and token in other) or any(map(other.endswith, prefixes))
                 for other in self.contents
             )
-            self.isolated[token] = known
+            self._isolated_known[token] = known
         return known
 
 

@@ -255,10 +255,9 @@ def _python_rows(rows):
     """The rows as dicts, converted from Arrow a batch at a time (row by row costs more). Columns
     that ``datasets`` stores as extension types (JSON values of mixed types) are decoded its way."""
     import datasets
-    import pyarrow as pa
 
     for table in rows.with_format("arrow").iter(batch_size=ROW_BATCH):
-        if not any(_has_extension(f.type, pa) for f in table.schema):
+        if not any(_has_extension(f.type) for f in table.schema):
             yield from table.to_pylist()
             continue
         features = datasets.Features.from_arrow_schema(table.schema)
@@ -268,10 +267,12 @@ def _python_rows(rows):
             yield dict(zip(keys, values, strict=True))
 
 
-def _has_extension(kind, pa) -> bool:
+def _has_extension(kind) -> bool:
+    import pyarrow as pa
+
     if isinstance(kind, pa.BaseExtensionType):
         return True
-    return any(_has_extension(kind.field(i).type, pa) for i in range(kind.num_fields))
+    return any(_has_extension(kind.field(i).type) for i in range(kind.num_fields))
 
 
 def _slice(rows, index: int, count: int):
