@@ -11,6 +11,8 @@ verdicts read.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -20,6 +22,7 @@ from pipeline.memory import Cgroup, CgroupError, current_cgroup
 from pipeline.run.executor import Launch, LineCapture, Outcome
 
 POLL_S = 0.2
+STOP_GRACE_S = 5.0
 
 
 def _children(pid: int) -> list[int]:
@@ -89,6 +92,8 @@ class UnconfinedAttempt:
         except subprocess.TimeoutExpired:
             return None
         ended_at = time.time()
+        # Children may outlive the main process (a compiler's cicc or ptxas); they end with the job.
+        self._signal_group(signal.SIGKILL)
         self._stop.set()
         self._watch.join()
         self._out.join(2)
@@ -102,7 +107,19 @@ class UnconfinedAttempt:
         )  # fmt: skip
 
     def stop(self, reason: str) -> None:
-        self.proc.kill()
+        """The whole process tree (the job runs in a session of its own): SIGTERM, then SIGKILL."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:  # the group is already empty
+            pass
 
 
 class UnconfinedExecutor:
