@@ -48,9 +48,6 @@ class JobKey:
     def config(self) -> tuple[tuple[str, ...], int, str]:
         return self.archs, self.threads, self.nvcc
 
-    def as_text(self) -> str:
-        return f"{self.source} [sm {';'.join(self.archs)}, threads {self.threads}, nvcc {self.nvcc}]"
-
 
 @dataclass
 class ProfileEntry:
