@@ -61,7 +61,10 @@ def parse_duration(text: str | int | float) -> float:
     parts = _DURATION_RE.findall(compact)
     if not parts or "".join(n + u for n, u in parts) != compact:
         raise ValueError(f"invalid duration {text!r} (write e.g. 30s, 10m, 2h, 1h30m)")
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive: {text!r} (write e.g. 30s, 10m, 2h, 1h30m)")
+    return seconds
 
 
 def format_duration(seconds: float | None) -> str:

@@ -31,6 +31,13 @@ def test_parse_duration_rejects(text):
         parse_duration(text if text != "0" else 0)
 
 
+@pytest.mark.parametrize("text", ["0s", "0m", "0h0m", "0ms", "0.0s"])
+def test_parse_duration_rejects_a_zero_written_with_units(text):
+    # a zero timeout would stop every attempt at once
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_duration(text)
+
+
 def test_format_size():
     assert format_size(None) == "-"
     assert format_size(512) == "512 B"

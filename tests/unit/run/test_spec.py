@@ -39,6 +39,7 @@ def test_valid_pipeline(tmp_path):
     [
         (("memory: 2GiB", "memory: 2GB2"), r"steps\[0\] \(prep\)\.memory: invalid size '2GB2'"),
         (("timeout: 30m", "timeout: soon"), r"steps\[0\] \(prep\)\.timeout: invalid duration"),
+        (("timeout: 30m", "timeout: 0s"), r"steps\[0\] \(prep\)\.timeout: duration must be positive"),
         (("retries: 2", "retrys: 2"), r"steps\[1\] \(train\)\.retrys: unknown key"),
         (("needs: [prep]", "needs: [prepp]"), r"needs unknown step\(s\) prepp"),
         (("outputs: [prompts.jsonl]", "outputs: [../escape]"), r"must be a relative path"),
