@@ -55,6 +55,7 @@ class UnconfinedAttempt:
     def __init__(self, launch: Launch, enclosing: Cgroup | None) -> None:
         self.enclosing = enclosing
         self.where = f"process tree in {enclosing.path if enclosing else 'an unknown cgroup'}"
+        self._stopped_by: str | None = None
         self._kills_before = self._kills()
         self.started_at = time.time()
         self.proc = subprocess.Popen(
@@ -103,11 +104,12 @@ class UnconfinedAttempt:
             oom_kills_before=self._kills_before, oom_kills_after=self._kills(), oom_at=None,
             peak_bytes=self._peak or None, anon_peak_bytes=self._peak or None,
             started_at=self.started_at, ended_at=ended_at, timeline=self._timeline,
-            stderr_tail=list(self._err.tail), where=self.where,
+            stopped_by=self._stopped_by, stderr_tail=list(self._err.tail), where=self.where,
         )  # fmt: skip
 
     def stop(self, reason: str) -> None:
         """The whole process tree (the job runs in a session of its own): SIGTERM, then SIGKILL."""
+        self._stopped_by = self._stopped_by or reason  # the first reason is why it ended
         self._signal_group(signal.SIGTERM)
         try:
             self.proc.wait(STOP_GRACE_S)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.build.unconfined import UnconfinedExecutor
 from pipeline.run.executor import Launch
+from pipeline.run.verdict import Verdict, decide
 
 
 def launch(tmp_path: Path, script: str) -> Launch:
@@ -40,13 +41,15 @@ def running(pid: int) -> bool:
     return True
 
 
-def test_stop_ends_the_children_too(tmp_path: Path) -> None:
+def test_stop_ends_the_children_too_and_is_recorded_as_cancelled(tmp_path: Path) -> None:
     attempt = UnconfinedExecutor().start(launch(tmp_path, "sleep 300 & echo $! > child.pid; wait"))
     child = child_pid(tmp_path)
     attempt.stop("cancel")
     outcome = attempt.wait(10)
     assert outcome is not None and outcome.signal == signal.SIGTERM
     assert not running(child)
+    # Recorded as the broker's stop, not as a crash by SIGTERM.
+    assert decide(outcome, False, "no object file").verdict == Verdict.CANCELLED
 
 
 def test_children_left_behind_by_the_main_process_end_with_the_job(tmp_path: Path) -> None:
