@@ -163,6 +163,13 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PipelineError(f"{path}: no such pipeline file") from None
+    except OSError as exc:
+        raise PipelineError(f"{path}: cannot read pipeline file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise PipelineError(
+            f"{path}: cannot read pipeline file: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at "
+            f"offset {exc.start}); save it as UTF-8"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

@@ -68,3 +68,17 @@ def test_bad_yaml_points_at_the_line(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(PipelineError, match="no such pipeline file"):
         load_pipeline(tmp_path / "nope.yaml")
+
+
+def test_a_folder_is_not_a_pipeline_file(tmp_path):
+    with pytest.raises(PipelineError, match=f"^{tmp_path}: cannot read pipeline file: .*directory"):
+        load_pipeline(tmp_path)
+
+
+def test_a_file_not_in_utf8_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_bytes(b"steps:\n  - name: caf\xe9\n")
+    expected = r"pipeline.yaml: cannot read pipeline file: not UTF-8 \(byte 0xe9"
+    with pytest.raises(PipelineError, match=expected) as info:
+        load_pipeline(path)
+    assert "\n" not in str(info.value)
