@@ -5,8 +5,11 @@ build's memory. There the broker still admits jobs by predicted peak against
 the budget (what the builder's cgroup allows), but a job runs as a plain
 process tree: its peak is the largest sum of the tree's anonymous memory seen
 in /proc, and an OOM kill is the enclosing cgroup's ``oom_kill`` counter rising
-while the job's main process died of SIGKILL — the same evidence the spine's
-verdicts read.
+while a process of the job died of SIGKILL — the main process itself, or a
+compiler child it reports with exit 137 (nvcc does, for a killed cicc or
+ptxas). That counter is shared by every job running at once, so a rise counts
+against no other job: one that exited 0, or failed any other way, was not the
+one killed.
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ class UnconfinedAttempt:
         except OSError:
             return 0
 
+    def _kills_after(self, status: int) -> int:
+        """The counter as it counts for this job: unchanged unless this job lost a process to SIGKILL."""
+        if status in (-signal.SIGKILL, 128 + signal.SIGKILL):
+            return self._kills()
+        return self._kills_before
+
     def _sample(self) -> None:
         window, window_start = 0, time.time()
         while not self._stop.wait(POLL_S):
@@ -101,7 +110,7 @@ class UnconfinedAttempt:
         self._err.join(2)
         return Outcome(
             exit_code=status if status >= 0 else None, signal=-status if status < 0 else None,
-            oom_kills_before=self._kills_before, oom_kills_after=self._kills(), oom_at=None,
+            oom_kills_before=self._kills_before, oom_kills_after=self._kills_after(status), oom_at=None,
             peak_bytes=self._peak or None, anon_peak_bytes=self._peak or None,
             started_at=self.started_at, ended_at=ended_at, timeline=self._timeline,
             stopped_by=self._stopped_by, stderr_tail=list(self._err.tail), where=self.where,

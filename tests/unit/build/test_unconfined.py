@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from pipeline.build.unconfined import UnconfinedExecutor
 from pipeline.run.executor import Launch
@@ -58,3 +62,25 @@ def test_children_left_behind_by_the_main_process_end_with_the_job(tmp_path: Pat
     outcome = attempt.wait(10)
     assert outcome is not None and outcome.exit_code == 0
     assert not running(child)
+
+
+@pytest.mark.parametrize(
+    ("script", "verdict"),
+    [
+        ("exit 0", Verdict.SUCCEEDED),  # another job's compiler was the one killed
+        ("exit 1", Verdict.FAILED),  # a compile error while another job was killed
+        ("kill -9 $$", Verdict.OOM_KILLED),
+        ("sh -c 'kill -9 $$'; exit $?", Verdict.CHILD_OOM_KILLED),  # how nvcc reports a killed cicc: 137
+    ],
+)
+def test_the_shared_oom_counter_counts_only_against_a_job_that_lost_a_process_to_sigkill(
+    tmp_path: Path, script: str, verdict: Verdict
+) -> None:
+    executor = UnconfinedExecutor()
+    # The builder's cgroup, shared by every job: its oom_kill counter rises during each attempt.
+    executor.enclosing = SimpleNamespace(
+        path=Path("/sys/fs/cgroup/builder"), oom_kills=itertools.count(3).__next__
+    )
+    outcome = executor.start(launch(tmp_path, script)).wait(10)
+    assert outcome is not None
+    assert decide(outcome, outcome.exit_code == 0, "object file written").verdict == verdict
