@@ -36,6 +36,12 @@ _MEMORY_ERROR = re.compile(
     r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory|out of memory|OutOfMemoryError",
     re.IGNORECASE,
 )
+# GPU memory ran out: a memory_error would be retried with a larger host limit, which cannot help.
+_GPU_OUT_OF_MEMORY = re.compile(
+    r"\b(?:CUDA|HIP)\b.{0,20}\bout of memory|\btorch(?:\.cuda)?\.OutOfMemoryError\b"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,13 @@ def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Dec
         return Decision(
             Verdict.COMPLETED_THEN_CRASHED,
             f"its outputs were complete ({outputs_detail}), then {ended}",
+        )
+    gpu_line = next((line for line in outcome.stderr_tail if _GPU_OUT_OF_MEMORY.search(line)), None)
+    if gpu_line is not None:
+        return Decision(
+            Verdict.FAILED,
+            f"{ended} after running out of GPU memory: {gpu_line.strip()}; a larger host memory limit "
+            "would not help: lower the batch size or sequence length, or use more GPUs",
         )
     memory_line = next((line for line in outcome.stderr_tail if _MEMORY_ERROR.search(line)), None)
     if memory_line is not None:

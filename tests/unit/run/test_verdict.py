@@ -49,3 +49,20 @@ def test_oom_reason_names_the_counter():
 def test_failed_reason_keeps_the_last_stderr_line():
     decision = decide(outcome(2, stderr=["x", "KeyError: 'messages'", ""]), False, "no manifest")
     assert decision.reason.endswith("KeyError: 'messages'")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+        "capacity of 139.72 GiB of which 1.2 GiB is free.",
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB",
+        "RuntimeError: CUDA error: out of memory",
+    ],
+)
+def test_gpu_out_of_memory_is_failed_not_a_host_memory_error(line):
+    # a larger host memory limit cannot help: no retry after memory_error
+    decision = decide(outcome(1, stderr=["Traceback (most recent call last):", line]), False, "no manifest")
+    assert decision.verdict == Verdict.FAILED
+    assert "GPU memory" in decision.reason and "host memory limit would not help" in decision.reason
+    assert "batch size" in decision.reason
