@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -122,7 +123,11 @@ def shape_of(timeline: list[tuple[float, int, int]], points: int = 20) -> list[f
 
 
 class Profile:
-    """Measured entries plus what this build has learned so far."""
+    """Measured entries plus what this build has learned so far.
+
+    The broker's handler threads observe and predict at once: every change, and
+    every copy taken to iterate over, holds the lock.
+    """
 
     def __init__(self, entries: list[ProfileEntry] | None = None, *, default_peak: int,
                  margin: float = SAFETY_MARGIN) -> None:  # fmt: skip
@@ -130,6 +135,7 @@ class Profile:
         self.margin = margin
         self._entries: dict[JobKey, ProfileEntry] = {}
         self._learned_max: dict[tuple, int] = {}
+        self._lock = threading.RLock()  # re-entrant: observe adds while holding it
         for entry in entries or []:
             self.add(entry)
 
@@ -137,25 +143,29 @@ class Profile:
         return len(self._entries)
 
     def entries(self) -> list[ProfileEntry]:
-        return list(self._entries.values())
+        with self._lock:
+            return list(self._entries.values())
 
     def add(self, entry: ProfileEntry) -> None:
         """Record a measurement; a repeated key keeps the larger peak (conservative)."""
-        old = self._entries.get(entry.key)
-        if old is not None and old.anon_peak_bytes >= entry.anon_peak_bytes:
-            old.samples += 1
-            return
-        if old is not None:
-            entry.samples = old.samples + 1
-        self._entries[entry.key] = entry
+        with self._lock:
+            old = self._entries.get(entry.key)
+            if old is not None and old.anon_peak_bytes >= entry.anon_peak_bytes:
+                old.samples += 1
+                return
+            if old is not None:
+                entry.samples = old.samples + 1
+            self._entries[entry.key] = entry
 
     def observe(self, key: JobKey, anon_peak: int, wall_s: float,
                 timeline: list[tuple[float, int, int]] | None = None) -> None:  # fmt: skip
         """A finished job's real figures: they correct predictions for the rest of the build."""
         config = key.config()
-        self._learned_max[config] = max(self._learned_max.get(config, 0), anon_peak)
-        self.add(ProfileEntry(key.source, list(key.archs), key.threads, key.nvcc, anon_peak,
-                              round(wall_s, 2), shape=shape_of(timeline or [])))  # fmt: skip
+        entry = ProfileEntry(key.source, list(key.archs), key.threads, key.nvcc, anon_peak,
+                             round(wall_s, 2), shape=shape_of(timeline or []))  # fmt: skip
+        with self._lock:
+            self._learned_max[config] = max(self._learned_max.get(config, 0), anon_peak)
+            self.add(entry)
 
     def predict(self, key: JobKey) -> Prediction:
         exact = self._entries.get(key)
@@ -164,7 +174,7 @@ class Profile:
                 math.ceil(exact.anon_peak_bytes * self.margin), exact.wall_s,
                 f"measured {_gib(exact.anon_peak_bytes)} × {self.margin} margin",
             )  # fmt: skip
-        same_file = [e for e in self._entries.values() if e.source == key.source and e.nvcc == key.nvcc]
+        same_file = [e for e in self.entries() if e.source == key.source and e.nvcc == key.nvcc]
         if same_file:
             base = max(same_file, key=lambda e: e.anon_peak_bytes)
             factor = key.archs_in_flight / base.key.archs_in_flight
@@ -198,7 +208,7 @@ class Profile:
     def save(self, path: Path, *, note: str, only_nvcc: str | None = None) -> None:
         from pipeline.run.manifest import atomic_write_text
 
-        entries = [asdict(e) for e in self._entries.values() if only_nvcc in (None, e.nvcc)]
+        entries = [asdict(e) for e in self.entries() if only_nvcc in (None, e.nvcc)]
         entries.sort(key=lambda e: (e["nvcc"], e["archs"], e["threads"], e["source"]))
         lines = ",\n".join("  " + json.dumps(e) for e in entries)  # one measured job a line
         atomic_write_text(path, f'{{\n "note": {json.dumps(note)},\n "entries": [\n{lines}\n ]\n}}\n')

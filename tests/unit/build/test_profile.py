@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 from pathlib import Path
 
 from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileEntry, parse_nvcc_argv, shape_of
@@ -75,3 +77,35 @@ def test_shipped_profiles_are_valid_measurements() -> None:
         for raw in data["entries"]:
             entry = ProfileEntry(**raw)
             assert entry.anon_peak_bytes > 100 * 2**20 and entry.wall_s > 0
+
+
+def test_predictions_while_other_threads_record_measurements() -> None:
+    """The broker predicts in one handler thread while others record finished jobs."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, mid-iteration included
+    profile = Profile(default_peak=8 * GiB)
+    finished, errors = threading.Event(), []
+
+    def predict() -> None:
+        unmeasured = JobKey("never_measured.cu", ("120",), 1, "13.0")
+        while not finished.is_set():
+            try:
+                profile.predict(unmeasured)
+            except RuntimeError as exc:  # "dictionary changed size during iteration"
+                errors.append(exc)
+                return
+
+    def observe() -> None:
+        for i in range(10_000):
+            profile.observe(JobKey(f"f{i}.cu", ("120",), 1, "13.0"), GiB, 1.0)
+        finished.set()
+
+    threads = [threading.Thread(target=predict) for _ in range(3)] + [threading.Thread(target=observe)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and len(profile) == 10_000
