@@ -50,6 +50,8 @@ class Toolchain:
     torch_cuda: str | None
     cuda_home: Path
     nvcc_version: str
+    python_version: str
+    """``major.minor`` of ``python``: the wheel's extension module works with that interpreter only."""
 
     @property
     def nvcc(self) -> Path:
@@ -70,8 +72,9 @@ class Plan:
     @property
     def cache_key(self) -> str:
         cuda = self.toolchain.torch_cuda or "cpu"
+        python = self.toolchain.python_version.replace(".", "")
         return (
-            f"flash_attn-{self.version}-torch{self.toolchain.torch}-cuda{cuda}"
+            f"flash_attn-{self.version}-cp{python}-torch{self.toolchain.torch}-cuda{cuda}"
             f"-nvcc{self.toolchain.nvcc_version}-sm{'_'.join(self.archs)}"
         )
 
@@ -127,7 +130,8 @@ def toolchain(python: str, cuda_home: str | None) -> Toolchain:
     release = re.search(r"release (\d+\.\d+)", subprocess.run([str(nvcc), "--version"],
                         capture_output=True, text=True, check=True).stdout)  # fmt: skip
     probe = subprocess.run(
-        [python, "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"],
+        [python, "-c", "import json, sys, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
+                       "'%d.%d' % sys.version_info[:2]]))"],
         capture_output=True, text=True,
     )  # fmt: skip
     if probe.returncode != 0:
@@ -136,8 +140,9 @@ def toolchain(python: str, cuda_home: str | None) -> Toolchain:
             f"{python} cannot import torch, which flash-attn builds against ({last}); "
             "pass --python of an environment with torch"
         )
-    torch_version, torch_cuda = json.loads(probe.stdout)
-    return Toolchain(python, torch_version, torch_cuda, home, release.group(1) if release else "unknown")
+    torch_version, torch_cuda, python_version = json.loads(probe.stdout)
+    nvcc_version = release.group(1) if release else "unknown"
+    return Toolchain(python, torch_version, torch_cuda, home, nvcc_version, python_version)
 
 
 def auto_threads(archs: tuple[str, ...], budget: int, cpus: int, per_arch_peak: int) -> int:

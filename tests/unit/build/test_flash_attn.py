@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from pipeline.build.flash_attn import (
     gpu_archs,
     parse_archs,
     source_version,
+    toolchain,
 )
 from pipeline.build.profile import Profile, ProfileEntry
 
@@ -39,7 +42,7 @@ def tree(tmp_path: Path) -> Path:
 
 
 def plan(source: Path, budget: int, archs=("120",), threads=1) -> Plan:
-    tools = Toolchain("python3", "2.13.0", "13.0", Path("/usr/local/cuda-13.0"), "13.0")
+    tools = Toolchain("python3", "2.13.0", "13.0", Path("/usr/local/cuda-13.0"), "13.0", "3.11")
     return Plan("2.8.3", source, archs, threads, budget, "test", tools, cpu_slots=2)
 
 
@@ -69,11 +72,30 @@ def test_sources_and_version_come_from_the_real_setup_files(tmp_path: Path) -> N
 
 def test_cache_key_names_every_version_that_changes_the_wheel(tmp_path: Path) -> None:
     key = plan(tmp_path, GiB, archs=("100", "120")).cache_key
-    assert key == "flash_attn-2.8.3-torch2.13.0-cuda13.0-nvcc13.0-sm100_120"
+    assert key == "flash_attn-2.8.3-cp311-torch2.13.0-cuda13.0-nvcc13.0-sm100_120"
     assert cached_wheel(tmp_path, key) is None
     (tmp_path / key).mkdir()
     (tmp_path / key / "flash_attn-2.8.3-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
     assert cached_wheel(tmp_path, key).name.startswith("flash_attn-2.8.3")
+
+
+def test_a_wheel_cached_for_another_python_is_not_reused(tmp_path: Path) -> None:
+    for_311 = plan(tmp_path, GiB)
+    for_312 = replace(for_311, toolchain=replace(for_311.toolchain, python_version="3.12"))
+    (tmp_path / for_311.cache_key).mkdir()
+    (tmp_path / for_311.cache_key / "flash_attn-2.8.3-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+    assert cached_wheel(tmp_path, for_312.cache_key) is None
+
+
+def test_the_toolchain_names_the_python_the_wheel_is_built_for(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    tools = toolchain(sys.executable, str(tmp_path))
+    assert tools.python_version == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert tools.nvcc_version == "13.0"
 
 
 def test_a_budget_below_the_largest_measured_job_is_refused_up_front(tmp_path: Path) -> None:
@@ -114,8 +136,6 @@ def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
 
 
 def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Path) -> None:
-    from dataclasses import replace
-
     from pipeline.build.flash_attn import cxx_standard, write_cxx_shim
 
     (tmp_path / "src").mkdir()
