@@ -10,8 +10,9 @@ Files in the step directory:
 - On success both partial files are renamed to ``conversations.jsonl`` and
   ``errors.jsonl`` and the manifest is written with the summary.
 
-Exit codes: 0 done; 2 bad input or settings; 3 the server(s) stopped answering (rows
-done so far are kept); 130/143 interrupted.
+Exit codes: 0 done; 1 rows went missing on the way to disk (no manifest; a rerun asks
+for them again); 2 bad input or settings; 3 the server(s) stopped answering (rows done
+so far are kept); 130/143 interrupted.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ CONVERSATIONS = "conversations.jsonl"
 ERRORS = "errors.jsonl"
 OUTPUTS = [CONVERSATIONS, ERRORS]
 SETTINGS = "generate.settings.json"
+EXIT_ROWS_MISSING = 1
 EXIT_BAD_INPUT = 2
 EXIT_SERVERS_DEAD = 3
 
@@ -240,6 +242,7 @@ class Generation:
         self._conv_buf: list[dict[str, Any]] = []
         self._err_buf: list[dict[str, Any]] = []
         self._flush_now = asyncio.Event()
+        self._stopping = False
         self._write_lock = asyncio.Lock()
         self.stop_reason: str | None = None
 
@@ -318,13 +321,22 @@ class Generation:
         self.errors.write_batch(err)
 
     async def flusher(self) -> None:
-        while True:
+        # Stopped by a flag, never cancelled: a cancel can be lost inside wait_for (Python 3.11
+        # swallows it when the event fires at the same moment), and a cancel during the write
+        # leaves its thread writing while the files are closed under it.
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self._flush_now.wait(), self.config.flush_interval_s)
             except TimeoutError:
                 pass
             self._flush_now.clear()
             await self.flush()
+
+    async def stop_flusher(self, flusher: asyncio.Task) -> None:
+        """Let the flusher finish the write it is in, and wait for it to end."""
+        self._stopping = True
+        self._flush_now.set()
+        await flusher
 
     async def worker(self, rows: Iterator[dict[str, Any]]) -> None:
         # The workers share one iterator over the prompt file: no queue, no feeder task.
@@ -342,12 +354,15 @@ class Generation:
                 if task.exception() is not None:
                     raise task.exception()
         finally:
-            for task in [*tasks, flusher, progress]:
+            for task in [*tasks, progress]:
                 task.cancel()
-            await asyncio.gather(*tasks, flusher, progress, return_exceptions=True)
-            await self.flush()
-            self.conversations.close()
-            self.errors.close()
+            await asyncio.gather(*tasks, progress, return_exceptions=True)
+            try:
+                await self.stop_flusher(flusher)
+                await self.flush()
+            finally:
+                self.conversations.close()
+                self.errors.close()
 
     async def _progress(self, total: int, already: int, console: Console) -> None:
         columns = [
@@ -473,6 +488,15 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
                 loop.remove_signal_handler(sig)
         wall = time.monotonic() - started
         stats = finalize(config.out_dir, input_ids, config.mode)
+        # The manifest vouches for every prompt: a row lost between a worker and the disk must
+        # not pass as done.
+        missing = len(input_ids) - stats["conversations"] - stats["errors"]
+        if missing:
+            raise GenerateError(
+                f"generate: {missing} of {len(input_ids)} prompts have no row in {CONVERSATIONS} or "
+                f"{ERRORS} in {config.out_dir}; no manifest written, rerun to ask for them again",
+                EXIT_ROWS_MISSING,
+            )
         t = generation.tally
         counters = client.counters
         stats.update(

@@ -51,6 +51,17 @@ def test_transient_faults_are_retried_and_every_row_lands_once(tmp_path, fake_se
     assert "Traceback" not in result.stderr
 
 
+def test_a_run_whose_last_row_fills_a_flush_batch_ends(tmp_path, fake_server):
+    # 512 rows = one full flush batch at the very end: the step used to hang there, rows on disk.
+    server = fake_server()
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 512)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert len(ids_of(out / "conversations.jsonl")) == 512
+    assert read_manifest(out).stats["conversations"] == 512
+
+
 def test_permanent_errors_go_to_errors_jsonl_and_truncated_rows_are_flagged(tmp_path, fake_server):
     server = fake_server("--reasoning")
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 100, marker_every={"REJECT-ME": 10, "CUT-ME": 7})
