@@ -33,7 +33,7 @@ def propose(draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int) 
     tokens = torch.tensor([ids[1:]], device=device)
     positions = torch.arange(n, device=device)[None]
     cache = StepCache.empty()
-    hidden = draft.fc(features[:, :n].to(draft.fc.weight.dtype))
+    hidden = draft.project(features[:, :n])
     proposals: list[int] = []
     for j in range(k):
         hidden = draft.step(tokens, hidden, positions + j, cache)

@@ -159,6 +159,14 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Step 0's input from the target's features (B, T, 3H).
+
+        The features come in the target's dtype (bf16 on GPU) and the draft trains in fp32:
+        outside autocast (evaluation) the two would not multiply.
+        """
+        return self.fc(features.to(self.fc.weight.dtype))
+
     def step(
         self,
         tokens: torch.Tensor,
@@ -168,7 +176,7 @@ class Eagle3Draft(nn.Module):
     ) -> torch.Tensor:
         """One TTT step: ``tokens`` (B, T), ``hidden`` (B, T, H) -> the step's output (B, T, H).
 
-        Step 0 takes ``hidden = fc(features)``; step k+1 takes step k's output.
+        Step 0 takes ``hidden = project(features)``; step k+1 takes step k's output.
         """
         cos, sin = self.rotary(hidden, positions)
         return self.midlayer(self.embed_tokens(tokens), hidden, cos, sin, cache)
@@ -185,7 +193,7 @@ class Eagle3Draft(nn.Module):
         """
         B, T = tokens.shape
         cache = StepCache.empty()
-        hidden = self.fc(features)
+        hidden = self.project(features)
         base = torch.arange(T, device=tokens.device).expand(B, T)
         outs = []
         for k in range(steps):

@@ -10,9 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.train.evaluate import propose, speculative_generate
+from pipeline.steps.train.data import Example
+from pipeline.steps.train.evaluate import propose, real_acceptance, speculative_generate
 from pipeline.steps.train.export import export_draft, load_draft
+from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
+from pipeline.steps.train.train import simulated_acceptance
 
 
 def reference_ttt_attention(q, keys, values):
@@ -168,3 +171,17 @@ def test_speculative_decoding_is_lossless():
     assert generated == greedy
     assert sum(per_forward) == len(generated) - 1
     assert all(1 <= n <= 5 for n in per_forward)
+
+
+def test_fp32_draft_is_evaluated_on_a_bf16_target():
+    """On a GPU the target is loaded in bf16, the draft trains in fp32; evaluation runs without autocast."""
+    target = _tiny_target()
+    draft = _draft_for(target)
+    target = target.to(torch.bfloat16)
+    torch.manual_seed(6)
+    rows = [Example(torch.randint(2, 96, (16,)).tolist(), [0] * 6 + [1] * 10, "") for _ in range(3)]
+    source = OnlineTarget(target, [0, 2, 3], draft.d2t, draft.t2d)
+    simulated = simulated_acceptance(source, draft, rows, 3, pad_id=0)
+    assert len(simulated["acc"]) == 3 and simulated["acceptance_length"] >= 1.0
+    real = real_acceptance(target, draft, rows, 3, max_new_tokens=8, eos_id=1)
+    assert real["verify_forwards"] > 0
