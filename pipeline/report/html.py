@@ -8,12 +8,13 @@ anonymous memory, the limit, and the moment an OOM kill was counted.
 from __future__ import annotations
 
 import html
+import sqlite3
 import time
 from pathlib import Path
 
 from pipeline.memory import format_duration, format_size
-from pipeline.report.status import HEADLINE, exit_text, explain
-from pipeline.run.ledger import AttemptRow, Ledger
+from pipeline.report.status import HEADLINE, exit_text, explain, unreadable
+from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
 from pipeline.run.manifest import atomic_write_text
 
 _W, _H, _PAD = 640, 160, 36
@@ -123,13 +124,23 @@ def render(ledger: Ledger, run_dir: Path) -> str:
 
 def report_command(run_dir: Path, out: Path | None) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
+    err = Console(stderr=True)
     try:
         ledger = Ledger(run_dir, create=False)
     except FileNotFoundError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    except sqlite3.Error as exc:
+        return unreadable(run_dir / LEDGER_NAME, exc, err)
+    try:
+        page = render(ledger, run_dir)
+    except sqlite3.Error as exc:
+        return unreadable(ledger.path, exc, err)
+    finally:
+        ledger.close()
     target = out or run_dir / "report.html"
-    atomic_write_text(target, render(ledger, run_dir))
+    atomic_write_text(target, page)
     print(target)
     return 0

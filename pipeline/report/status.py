@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal as signals
+import sqlite3
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.memory import format_duration, format_size
-from pipeline.run.ledger import AttemptRow, Ledger
+from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
 
 VERDICT_STYLE = {
     "succeeded": "green",
@@ -44,7 +45,20 @@ def _open(run_dir: Path, err: Console) -> Ledger | None:
         return Ledger(run_dir, create=False)
     except FileNotFoundError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return None
+    except sqlite3.Error as exc:
+        unreadable(Path(run_dir) / LEDGER_NAME, exc, err)
+    return None
+
+
+def unreadable(path: Path, exc: sqlite3.Error, err: Console) -> int:
+    """One line for a ledger SQLite cannot read; the exit code of a command that needed it."""
+    err.print(
+        f"[red]error:[/] cannot read the ledger {escape(str(path))}: {escape(str(exc))} "
+        "(check that it is an eyrie ledger you may read, or pass the right --run-dir)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 2
 
 
 def exit_text(row: AttemptRow) -> str:
@@ -71,6 +85,15 @@ def status_command(run_dir: Path, json_output: bool) -> int:
     ledger = _open(run_dir, err)
     if ledger is None:
         return 2
+    try:
+        return _status(ledger, console, json_output)
+    except sqlite3.Error as exc:
+        return unreadable(ledger.path, exc, err)
+    finally:
+        ledger.close()
+
+
+def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     attempts = ledger.attempts()
     latest = ledger.latest_run()
     if json_output:
@@ -154,6 +177,16 @@ def explain_command(run_dir: Path, step: str, attempt: int | None) -> int:
     ledger = _open(run_dir, err)
     if ledger is None:
         return 2
+    try:
+        return _explain(ledger, run_dir, step, attempt, console, err)
+    except sqlite3.Error as exc:
+        return unreadable(ledger.path, exc, err)
+    finally:
+        ledger.close()
+
+
+def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, console: Console,
+             err: Console) -> int:  # fmt: skip
     rows = ledger.attempts(step)
     if attempt is not None:
         rows = [r for r in rows if r.attempt == attempt]

@@ -90,6 +90,27 @@ ATTEMPT_JSON_FIELDS = (
 )  # fmt: skip
 
 
+def _connect(target: str | Path, *, uri: bool = False) -> sqlite3.Connection:
+    return sqlite3.connect(target, uri=uri, timeout=30, check_same_thread=False, isolation_level=None)
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection that never writes the ledger: readers may have no write access to it."""
+    uri = path.resolve().as_uri()
+    db = _connect(f"{uri}?mode=ro", uri=True)
+    try:
+        db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.OperationalError as exc:
+        db.close()
+        no_index = exc.sqlite_errorcode in (sqlite3.SQLITE_READONLY_DIRECTORY, sqlite3.SQLITE_CANTOPEN)
+        if not no_index or path.with_name(f"{path.name}-wal").exists():
+            raise
+        # WAL is read through a -shm index file, which a folder we cannot write cannot hold;
+        # with no -wal file (no run writing) every row is in the main file, read as it is.
+        db = _connect(f"{uri}?immutable=1", uri=True)
+    return db
+
+
 @dataclass(frozen=True)
 class AttemptRow:
     data: dict[str, Any]
@@ -121,16 +142,18 @@ class Ledger:
                 f"no ledger at {self.path}: run a pipeline with `eyrie run FILE --run-dir "
                 f"{Path(run_dir)}` first, or pass the right --run-dir"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
         if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = _connect(self.path)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
             with self._lock:
                 self._db.executescript(_SCHEMA)
+        else:
+            self._db = _connect_read_only(self.path)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA busy_timeout=30000")
 
     def close(self) -> None:
         self._db.close()

@@ -43,3 +43,15 @@ def test_memory_json_reports_a_budget_no_larger_than_memavailable():
     assert 0 < budget["available"] <= budget["mem_available"] <= budget["mem_total"]
     assert budget["cgroup_version"] in (1, 2)
     assert budget["cgroups"], "the process's own cgroup chain is listed"
+
+
+def test_a_ledger_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    ledger = tmp_path / "ledger.sqlite"
+    ledger.write_text("not a database\n" * 100)
+    for command in ("status", "report"):
+        result = eyrie(command, "--run-dir", str(tmp_path))
+        assert result.returncode == 2, result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and str(ledger) in lines[0], result.stderr
+    result = eyrie("explain", "prep", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and str(ledger) in result.stderr and "Traceback" not in result.stderr
