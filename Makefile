@@ -46,9 +46,11 @@ lint: venv
 # `make images` builds the production images (CUDA 13.1 base, SGLang base);
 # `make images base=local` builds them FROM a debootstrapped Debian 12 base made
 # here, for machines without a registry (CI). The pipeline image installs from
-# a wheelhouse prepared on the host (see images/pipeline/Dockerfile).
+# a wheelhouse prepared on the host by images/wheelhouse.sh (see
+# images/pipeline/Dockerfile).
 IMAGES_DIR := build/images
 FLASH_ATTN_WHEELS ?= build/flash-attn
+PIPELINE_EXTRAS := ml,generate,docker
 ifeq ($(base),local)
 IMAGE_TAG ?= local
 LOCAL_BASE := eyrie-base:bookworm
@@ -63,6 +65,8 @@ TORCH_SPEC ?= torch==2.13.0
 # CUDA 13.0 builds of torch run on the CUDA 13.1 runtime base.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
 endif
+# The flash-attn wheel `make flash-attn-wheel` exported, for the image's Python.
+FLASH_ATTN_WHEEL = $(wildcard $(FLASH_ATTN_WHEELS)/flash_attn-*-cp$(subst .,,$(WHEEL_PYTHON))-*.whl)
 
 .PHONY: images image-base
 image-base:
@@ -71,8 +75,9 @@ ifeq ($(base),local)
 endif
 
 images: venv image-base
+	$(if $(FLASH_ATTN_WHEEL),,@echo "wheelhouse: no flash-attn wheel for Python $(WHEEL_PYTHON) in $(FLASH_ATTN_WHEELS); the image is built without flash-attn")
 	$(if $(TORCH_INDEX),PIP_EXTRA_INDEX_URL="$(TORCH_INDEX) $$PIP_EXTRA_INDEX_URL") PIP=$(VENV)/bin/pip \
-		images/pipeline/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) "$(TORCH_SPEC)" $(FLASH_ATTN_WHEELS)
+		images/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) $(PIPELINE_EXTRAS) "$(TORCH_SPEC)" $(FLASH_ATTN_WHEEL)
 	docker build $(IMAGE_BASE_ARG) -t eyrie-pipeline:$(IMAGE_TAG) \
 		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
 	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) images/sglang
