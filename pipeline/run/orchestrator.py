@@ -296,6 +296,9 @@ class Orchestrator:
                 detail = str(exc)
         decision = decide(outcome, complete, detail)
         manifest = read_manifest(step_dir) if complete else None
+        if decision.verdict not in DONE_VERDICTS:
+            # e.g. exit 0 after a child's OOM kill: a manifest would let a rerun skip the step.
+            (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
         ledger.end_attempt(
             running.attempt_id,
             verdict=decision.verdict.value,

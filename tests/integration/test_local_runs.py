@@ -97,6 +97,23 @@ steps:
     assert attempts_json(run_dir)[-1]["step"] == "second"
 
 
+def test_a_step_whose_child_was_oom_killed_is_not_skipped_on_a_rerun(tmp_path):
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: parent
+    command: [PYTHON, SCENARIO, child_oom]
+    memory: 96MiB
+""",
+    )
+    run_dir = tmp_path / "run"
+    assert eyrie("run", str(pipeline), "--run-dir", str(run_dir)).returncode == 1
+    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+    assert again.returncode == 1 and "skipped" not in again.stdout
+    assert [a["verdict"] for a in attempts_json(run_dir)] == ["child_oom_killed"] * 2
+
+
 def test_oom_retry_raises_the_limit_from_the_peak(tmp_path):
     pipeline = write_pipeline(
         tmp_path,

@@ -1,0 +1,138 @@
+"""The orchestrator's bookkeeping, with an executor that only pretends: resume, start-up checks, errors."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.memory import Budget
+from pipeline.run.executor import Launch, Outcome
+from pipeline.run.ledger import Ledger
+from pipeline.run.manifest import MANIFEST_NAME
+from pipeline.run.orchestrator import Orchestrator, RunResult
+from pipeline.run.spec import PipelineSpec
+
+pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
+
+
+def outcome(exit_code: int | None = 0, *, sig: int | None = None, oom_kills: int = 0,
+            stopped_by: str | None = None) -> Outcome:  # fmt: skip
+    now = time.time()
+    return Outcome(exit_code=exit_code, signal=sig, oom_kills_before=0, oom_kills_after=oom_kills,
+                   oom_at=None, peak_bytes=2**20, anon_peak_bytes=2**20, started_at=now, ended_at=now,
+                   stopped_by=stopped_by)  # fmt: skip
+
+
+class FakeAttempt:
+    """Ends with ``result`` at once, or (``result`` None) runs until it is stopped."""
+
+    def __init__(self, launch: Launch, result: Outcome | None) -> None:
+        self.launch, self.result = launch, result
+        self.pid, self.where = 4242, f"fake:{launch.step}-{launch.attempt}"
+        self.stopped = threading.Event()
+        self.stop_reason: str | None = None
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        if self.result is not None:
+            return self.result
+        if not self.stopped.wait(timeout):
+            return None
+        return outcome(None, sig=signal.SIGTERM, stopped_by=self.stop_reason)
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.stopped.set()
+
+
+Behaviour = Callable[[Launch], FakeAttempt]
+
+
+def ends(result: Outcome) -> Behaviour:
+    return lambda launch: FakeAttempt(launch, result)
+
+
+def runs_until_stopped(launch: Launch) -> FakeAttempt:
+    return FakeAttempt(launch, None)
+
+
+class FakeExecutor:
+    name = "fake"
+
+    def __init__(self, behaviours: dict[str, Behaviour]) -> None:
+        self.behaviours = behaviours
+        self.attempts: list[FakeAttempt] = []
+
+    def memory_budget(self) -> Budget:
+        return Budget(available=2**34, mem_total=2**35, mem_available=2**34, cgroup_version=None)
+
+    def start(self, launch: Launch) -> FakeAttempt:
+        attempt = self.behaviours[launch.step](launch)
+        self.attempts.append(attempt)
+        return attempt
+
+    def reap(self, where: str) -> int:
+        return 0
+
+    def started(self, step: str) -> list[FakeAttempt]:
+        return [a for a in self.attempts if a.launch.step == step]
+
+
+class QuietReporter:
+    def __init__(self) -> None:
+        self.skipped_steps: list[str] = []
+
+    def line(self, step, stream, text): ...
+    def started(self, step, attempt, limit_bytes, limit_reason): ...
+    def ended(self, step, attempt, decision, outcome): ...
+    def skipped(self, step, reason):
+        self.skipped_steps.append(step)
+
+    def blocked(self, step, reason): ...
+    def note(self, text): ...
+
+
+def write_pipeline(tmp_path: Path, steps: list[dict]) -> tuple[PipelineSpec, Path]:
+    for step in steps:
+        step.setdefault("command", ["true"])
+        step.setdefault("memory", "64MiB")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({"steps": steps}))
+    return PipelineSpec.model_validate({"steps": steps}), path
+
+
+def run(tmp_path: Path, steps: list[dict], executor: FakeExecutor,
+        reporter: QuietReporter | None = None) -> RunResult:  # fmt: skip
+    spec, path = write_pipeline(tmp_path, steps)
+    return Orchestrator(spec, path, tmp_path / "run", executor, reporter or QuietReporter()).run()
+
+
+def ledger_of(tmp_path: Path) -> Ledger:
+    return Ledger(tmp_path / "run", create=False)
+
+
+def test_a_step_that_exits_0_after_a_child_was_oom_killed_runs_again_on_a_rerun(tmp_path):
+    steps = [{"name": "prep"}]
+    executor = FakeExecutor({"prep": ends(outcome(0, oom_kills=1))})
+    assert run(tmp_path, steps, executor).state == "failed"
+    assert [a.verdict for a in ledger_of(tmp_path).attempts()] == ["child_oom_killed"]
+    assert not (tmp_path / "run" / "prep" / MANIFEST_NAME).exists()
+
+    reporter = QuietReporter()
+    run(tmp_path, steps, executor, reporter)
+    assert reporter.skipped_steps == []
+    assert len(executor.started("prep")) == 2
+
+
+def test_a_step_that_succeeded_is_skipped_on_a_rerun(tmp_path):
+    steps = [{"name": "prep"}]
+    executor = FakeExecutor({"prep": ends(outcome(0))})
+    assert run(tmp_path, steps, executor).state == "succeeded"
+    reporter = QuietReporter()
+    assert run(tmp_path, steps, executor, reporter).state == "succeeded"
+    assert reporter.skipped_steps == ["prep"] and len(executor.started("prep")) == 1
