@@ -19,10 +19,10 @@ from pipeline.build.flash_attn import (
     parse_archs,
     resolve_budget,
     run_build,
+    size_option,
     source_version,
     toolchain,
 )
-from pipeline.memory import parse_size
 
 
 def flash_attn_command(*, version: str, source: Path | None, archs: str, budget: str, threads: str,
@@ -30,9 +30,8 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
                        headroom: str, cpus: int | None, profiles: list[Path]) -> int:  # fmt: skip
     console, err = Console(), Console(stderr=True)
     try:
-        tools = toolchain(python or sys.executable, cuda_home)
         arch_set = parse_archs(archs)
-        budget_bytes, basis = resolve_budget(budget, parse_size(headroom))
+        budget_bytes, basis = resolve_budget(budget, size_option("--headroom", headroom))
         cpu_slots = cpus or len(os.sched_getaffinity(0))
         if threads == "auto":
             nvcc_threads = auto_threads(arch_set, budget_bytes, cpu_slots, DEFAULT_JOB_PEAK_PER_ARCH)
@@ -40,6 +39,8 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
             nvcc_threads = int(threads)
         else:
             raise BuildError(f"--threads {threads!r}: write auto or a positive number")
+        # Probed after the options are checked: it runs nvcc and imports torch (seconds).
+        tools = toolchain(python or sys.executable, cuda_home)
         src = source.resolve() if source else fetch_sdist(version, out / "src", tools.python)
         plan = Plan(source_version(src), src, arch_set, nvcc_threads, budget_bytes, basis, tools, cpu_slots)
         hit = cached_wheel(out, plan.cache_key)
@@ -53,7 +54,7 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
             log=lambda text: console.print(text, highlight=False),
         )  # fmt: skip
     except BuildError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)  # one line, whatever the width
         return 1
     console.print(
         f"built {wheel.name}: {len(report.jobs)} nvcc jobs, {report.oom_kills} OOM kill(s), "

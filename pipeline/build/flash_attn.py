@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.build.broker import BuildBroker, BuildReport
-from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile
-from pipeline.memory import memory_budget
+from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
+from pipeline.memory import memory_budget, parse_size
 from pipeline.run.manifest import atomic_path
 
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
@@ -155,11 +155,22 @@ def auto_threads(archs: tuple[str, ...], budget: int, cpus: int, per_arch_peak: 
     return len(archs) if jobs_by_memory * len(archs) >= cpus else 1
 
 
-def resolve_budget(text: str, headroom: int) -> tuple[int, str]:
-    from pipeline.memory import parse_size
+def size_option(option: str, text: str) -> int:
+    """The bytes a size option (``--budget``, ``--headroom``) gives; a wrong one names itself."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise BuildError(f"{option} {text!r} is not a size: write e.g. 512MiB, 64GiB or 2GB") from exc
 
+
+def resolve_budget(text: str, headroom: int) -> tuple[int, str]:
     if text != "auto":
-        return parse_size(text), "given with --budget"
+        budget = size_option("--budget", text)
+        if budget <= 0:
+            raise BuildError(
+                f"--budget {text!r} leaves nothing to compile in: write auto or a size, e.g. 64GiB"
+            )
+        return budget, "given with --budget"
     budget = memory_budget()
     available = budget.available - headroom
     if available <= 0:
@@ -201,10 +212,12 @@ def fetch_sdist(version: str, into: Path, python: str) -> Path:
 
 
 def source_version(source: Path) -> str:
-    init = (source / "flash_attn" / "__init__.py").read_text(encoding="utf-8")
-    match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", init, re.MULTILINE)
+    init = source / "flash_attn" / "__init__.py"
+    text = init.read_text(encoding="utf-8") if init.is_file() else ""
+    match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
     if not match or not (source / "setup.py").is_file():
-        raise BuildError(f"{source} is not a flash-attn source tree (no setup.py / __version__)")
+        raise BuildError(f"{source} is not a flash-attn source tree (no setup.py, or no __version__ in "
+                         "flash_attn/__init__.py): pass --source an unpacked flash-attn sdist")  # fmt: skip
     return match.group(1)
 
 
@@ -217,7 +230,10 @@ def cuda_sources(source: Path) -> list[str]:
 # -- the build ------------------------------------------------------------------------------
 def load_profile(archs: tuple[str, ...], threads: int, extra: list[Path] | None = None) -> Profile:
     default = DEFAULT_JOB_PEAK_PER_ARCH * min(threads, len(archs))
-    return Profile.load([SHIPPED_PROFILES, *(extra or [])], default_peak=default)
+    try:
+        return Profile.load([SHIPPED_PROFILES, *(extra or [])], default_peak=default)
+    except ProfileError as exc:
+        raise BuildError(f"{exc}: pass --profile a profile.json an eyrie build wrote in its run dir") from exc
 
 
 def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> None:

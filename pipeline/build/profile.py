@@ -122,6 +122,10 @@ def shape_of(timeline: list[tuple[float, int, int]], points: int = 20) -> list[f
     return out
 
 
+class ProfileError(ValueError):
+    """A profile file cannot be read; the message names the file and what is wrong with it."""
+
+
 class Profile:
     """Measured entries plus what this build has learned so far.
 
@@ -201,8 +205,14 @@ class Profile:
         for path in paths:
             files = sorted(path.glob("*.json")) if path.is_dir() else [path]
             for file in files:
-                data = json.loads(file.read_text(encoding="utf-8"))
-                entries.extend(ProfileEntry(**raw) for raw in data["entries"])
+                try:
+                    data = json.loads(file.read_text(encoding="utf-8"))
+                    entries.extend(ProfileEntry(**raw) for raw in data["entries"])
+                except OSError as exc:
+                    raise ProfileError(f"cannot read profile {file} ({exc.strerror or exc})") from exc
+                except (ValueError, KeyError, TypeError) as exc:
+                    what = "no 'entries' list" if isinstance(exc, KeyError) else exc
+                    raise ProfileError(f"profile {file} is not a measured profile ({what})") from exc
         return cls(entries, default_peak=default_peak, margin=margin)
 
     def save(self, path: Path, *, note: str, only_nvcc: str | None = None) -> None:
