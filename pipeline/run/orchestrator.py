@@ -47,6 +47,7 @@ PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 STATE_DIR = ".eyrie"
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MIB = 1024 * 1024
+STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)
 
 
 class Reporter(Protocol):
@@ -144,6 +145,8 @@ class Orchestrator:
                     f"exceeds the {format_size(pool)} this host really has (set by {binding}); "
                     "lower it or free memory"
                 )
+        for step in self.spec.steps:
+            self._check_inputs(step)
         argvs = {s.name: self._expand(s) for s in self.spec.steps}
         order = [s.name for s in self.spec.order()]
         ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
@@ -196,35 +199,47 @@ class Orchestrator:
                         self.reporter.blocked(dependent, why)
 
         stopping = False
-        launch_ready()
-        while self._running:
-            try:
-                running, outcome = self._results.get(timeout=0.2)
-            except queue.Empty:
-                if self._cancel.is_set() and not stopping:
-                    stopping = True
-                    for r in list(self._running.values()):
-                        threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
-                continue
-            del self._running[running.step.name]
-            step = running.step
-            decision = self._record(ledger, running, outcome)
-            name = step.name
-            if decision.verdict in DONE_VERDICTS:
-                finish(name, "done", str(decision.verdict))
-            elif decision.verdict == Verdict.CANCELLED or self._cancel.is_set():
-                finish(name, "cancelled", str(decision.verdict))
-            elif decision.verdict in step.retry_on and attempts_made[name] <= step.retries:
-                new_limit, why = self._next_limit(step, decision.verdict, limits[name], outcome, pool)
-                if new_limit is None:
-                    finish(name, "failed", f"{decision.verdict}: {why}")
-                else:
-                    limits[name], limit_reasons[name] = new_limit, why
-                    states[name] = "pending"
-                    self.reporter.note(f"{name}: retrying ({why})")
-            else:
-                finish(name, "failed", f"{decision.verdict}: {decision.reason}")
+        try:
             launch_ready()
+            while self._running:
+                try:
+                    running, outcome = self._results.get(timeout=0.2)
+                except queue.Empty:
+                    if self._cancel.is_set() and not stopping:
+                        stopping = True
+                        self._stop_all()
+                    continue
+                del self._running[running.step.name]
+                step = running.step
+                decision = self._record(ledger, running, outcome)
+                name = step.name
+                if decision.verdict in DONE_VERDICTS:
+                    finish(name, "done", str(decision.verdict))
+                elif decision.verdict == Verdict.CANCELLED or self._cancel.is_set():
+                    finish(name, "cancelled", str(decision.verdict))
+                elif decision.verdict in step.retry_on and attempts_made[name] <= step.retries:
+                    new_limit, why = self._next_limit(step, decision.verdict, limits[name], outcome, pool)
+                    if new_limit is None:
+                        finish(name, "failed", f"{decision.verdict}: {why}")
+                    else:
+                        limits[name], limit_reasons[name] = new_limit, why
+                        states[name] = "pending"
+                        self.reporter.note(f"{name}: retrying ({why})")
+                else:
+                    finish(name, "failed", f"{decision.verdict}: {decision.reason}")
+                launch_ready()
+        except BaseException as exc:
+            # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
+            error = f"the run stopped on an error: {exc}"
+            for name, decision in self._stop_and_record(ledger).items():
+                states[name] = "done" if decision.verdict in DONE_VERDICTS else "cancelled"
+                ledger.set_step_state(self.run_id, name, states[name], f"{decision.verdict}: {error}")
+            for name, state in states.items():
+                if state in ("pending", "running"):
+                    states[name] = "cancelled"
+                    ledger.set_step_state(self.run_id, name, "cancelled", f"cancelled: {error}")
+            ledger.end_run(self.run_id, "failed")
+            raise
 
         for name, state in states.items():
             if state == "pending":  # only when cancelled before it could start
@@ -237,6 +252,25 @@ class Orchestrator:
             run_state = "failed"
         ledger.end_run(self.run_id, run_state)
         return RunResult(self.run_id, run_state, dict(states))
+
+    def _stop_all(self) -> None:
+        for r in list(self._running.values()):
+            threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
+
+    def _stop_and_record(self, ledger: Ledger) -> dict[str, Decision]:
+        """Stop every running attempt and record how each ended; those not seen to end within
+        STOP_WAIT_S stay 'running' in the ledger, for the next run to end what is left of them."""
+        self._stop_all()
+        decisions = {}
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self._running and time.monotonic() < deadline:
+            try:
+                running, outcome = self._results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            del self._running[running.step.name]
+            decisions[running.step.name] = self._record(ledger, running, outcome)
+        return decisions
 
     # -- one attempt ---------------------------------------------------------------------
     def _start(self, ledger: Ledger, step: StepSpec, argv: list[str], fingerprint: str,
@@ -369,14 +403,27 @@ class Orchestrator:
 
         return [_VAR_RE.sub(substitute, arg) for arg in step.command]
 
+    def _missing_input(self, step: StepSpec, path: Path) -> PipelineError:
+        what = "is not a file" if path.exists() else "does not exist"
+        return PipelineError(
+            f"{self.pipeline_path}: steps ({step.name}).inputs: {path} {what} (inputs are files beside "
+            "the pipeline file, or written by a step it needs: create it or fix the path)"
+        )
+
+    def _check_inputs(self, step: StepSpec) -> None:
+        """Before anything starts: every input exists, unless a step it needs is to write it."""
+        upstream_dirs = [self.run_dir / name for name in self.spec.upstream(step.name)]
+        for rel in step.inputs:
+            path = (self.pipeline_path.parent / rel).resolve()
+            if not path.is_file() and not any(d in path.parents for d in upstream_dirs):
+                raise self._missing_input(step, path)
+
     def _fingerprint(self, step: StepSpec, argv: list[str]) -> str:
         inputs = {}
         for rel in step.inputs:
             path = self.pipeline_path.parent / rel
             if not path.is_file():
-                raise PipelineError(
-                    f"{self.pipeline_path}: steps ({step.name}).inputs: {path} does not exist"
-                )
+                raise self._missing_input(step, path)
             inputs[rel] = sha256_file(path)
         payload = {
             "argv": argv,

@@ -127,6 +127,17 @@ class PipelineSpec(BaseModel):
                 pending.remove(step)
         return [self.step(n) for n in done]
 
+    def upstream(self, name: str) -> list[str]:
+        """Every step that ``name`` needs, directly or not."""
+        out: list[str] = []
+        frontier = [name]
+        while frontier:
+            for need in self.step(frontier.pop()).needs:
+                if need not in out:
+                    out.append(need)
+                    frontier.append(need)
+        return out
+
     def dependents(self, name: str) -> list[str]:
         """Every step that needs ``name``, directly or not."""
         out: list[str] = []

@@ -24,6 +24,18 @@ def test_unknown_variable_in_a_command_is_refused_before_anything_runs(tmp_path)
     assert "unknown variable ${EYRIE_NOPE}" in result.stderr
 
 
+def test_a_missing_input_is_refused_before_anything_runs(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n    inputs: [catalog.yaml]\n"
+    )
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "steps (a).inputs:" in lines[0] and "catalog.yaml does not exist" in lines[0]
+    assert not (tmp_path / "run" / "a").exists()
+
+
 def test_unknown_executor(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n")

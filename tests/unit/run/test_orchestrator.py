@@ -16,7 +16,7 @@ from pipeline.run.executor import Launch, Outcome
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import MANIFEST_NAME
 from pipeline.run.orchestrator import Orchestrator, RunResult
-from pipeline.run.spec import PipelineSpec
+from pipeline.run.spec import PipelineError, PipelineSpec
 
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
 
@@ -136,3 +136,57 @@ def test_a_step_that_succeeded_is_skipped_on_a_rerun(tmp_path):
     reporter = QuietReporter()
     assert run(tmp_path, steps, executor, reporter).state == "succeeded"
     assert reporter.skipped_steps == ["prep"] and len(executor.started("prep")) == 1
+
+
+def test_a_missing_input_stops_the_run_before_any_step_starts(tmp_path):
+    steps = [
+        {"name": "serve"},
+        {"name": "prep"},
+        {"name": "train", "needs": ["prep"], "inputs": ["train.yaml"]},
+    ]
+    executor = FakeExecutor({"serve": runs_until_stopped, "prep": ends(outcome(0))})
+    with pytest.raises(PipelineError, match=r"steps \(train\)\.inputs: .*train\.yaml does not exist"):
+        run(tmp_path, steps, executor)
+    assert executor.attempts == []
+    assert ledger_of(tmp_path).latest_run() is None
+
+
+def write_output(name: str) -> Behaviour:
+    def start(launch: Launch) -> FakeAttempt:
+        (launch.cwd / name).write_text("made by the step\n")
+        return FakeAttempt(launch, outcome(0))
+
+    return start
+
+
+def test_an_input_written_by_a_step_it_needs_may_not_exist_yet(tmp_path):
+    steps = [
+        {"name": "prep", "outputs": ["prompts.jsonl"]},
+        {"name": "train", "needs": ["prep"], "inputs": ["run/prep/prompts.jsonl"]},
+    ]
+    executor = FakeExecutor({"prep": write_output("prompts.jsonl"), "train": ends(outcome(0))})
+    assert run(tmp_path, steps, executor).state == "succeeded"
+
+
+def test_an_error_in_the_run_stops_its_steps_and_ends_the_run(tmp_path):
+    # prep needs to write what train reads, and does not: the run stops while serve runs.
+    steps = [
+        {"name": "serve"},
+        {"name": "prep"},
+        {"name": "train", "needs": ["prep"], "inputs": ["run/prep/prompts.jsonl"]},
+    ]
+    executor = FakeExecutor({"serve": runs_until_stopped, "prep": ends(outcome(0))})
+    with pytest.raises(PipelineError, match="prompts.jsonl does not exist"):
+        run(tmp_path, steps, executor)
+    (serve,) = executor.started("serve")
+    assert serve.stop_reason == "cancel"
+    ledger = ledger_of(tmp_path)
+    assert ledger.running_attempts() == []
+    assert {a.step: a.verdict for a in ledger.attempts()} == {"serve": "cancelled", "prep": "succeeded"}
+    run_row = ledger.latest_run()
+    assert run_row["state"] == "failed"
+    states = ledger.step_states(run_row["run_id"])
+    assert {name: state["state"] for name, state in states.items()} == {
+        "serve": "cancelled", "prep": "done", "train": "cancelled",
+    }  # fmt: skip
+    assert "the run stopped on an error" in states["train"]["detail"]

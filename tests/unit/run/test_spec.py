@@ -32,6 +32,7 @@ def test_valid_pipeline(tmp_path):
     assert spec.step("prep").memory == 2 * 2**30
     assert spec.step("prep").timeout == 1800
     assert spec.dependents("prep") == ["train"]
+    assert spec.upstream("train") == ["prep"] and spec.upstream("prep") == []
 
 
 @pytest.mark.parametrize(
