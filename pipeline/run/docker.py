@@ -22,6 +22,7 @@ container's own mounts, and the steps join its network and use its image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -38,6 +39,7 @@ from pipeline.run.spec import PipelineError
 try:
     import docker
     import docker.errors
+    import requests.exceptions
     from docker.types import DeviceRequest, Mount
 except ImportError as exc:  # the `docker` extra
     raise ImportError(f"{exc}; install it with `pip install 'eyrie[docker]'`") from exc
@@ -138,9 +140,10 @@ class _EngineEvents:
         finally:
             self.died.set()
 
-    def close(self) -> None:
+    def close(self, *, settle: bool = True) -> None:
         # `die` comes after any `oom`: once it is seen, nothing more is pending.
-        self.died.wait(EVENT_SETTLE_S)
+        if settle:
+            self.died.wait(EVENT_SETTLE_S)
         self._stream.close()
 
 
@@ -156,14 +159,18 @@ class DockerAttempt:
         self._ended = threading.Event()
         self.events = _EngineEvents(executor.client, container.id)
         self.started_at = time.time()
-        container.start()
-        container.reload()
-        self.pid: int | None = container.attrs["State"].get("Pid") or None
-        api = executor.client.api
-        self._out = _Lines(api.logs(container.id, stdout=True, stderr=False, stream=True, follow=True),
-                           launch.stdout_path, "stdout", launch.on_line)  # fmt: skip
-        self._err = _Lines(api.logs(container.id, stdout=False, stderr=True, stream=True, follow=True),
-                           launch.stderr_path, "stderr", launch.on_line)  # fmt: skip
+        try:
+            container.start()
+            container.reload()
+            self.pid: int | None = container.attrs["State"].get("Pid") or None
+            api = executor.client.api
+            self._out = _Lines(api.logs(container.id, stdout=True, stderr=False, stream=True, follow=True),
+                               launch.stdout_path, "stdout", launch.on_line)  # fmt: skip
+            self._err = _Lines(api.logs(container.id, stdout=False, stderr=True, stream=True, follow=True),
+                               launch.stderr_path, "stderr", launch.on_line)  # fmt: skip
+        except BaseException:
+            self.events.close(settle=False)
+            raise
         threading.Thread(target=self._wait_container, name=f"wait-{container.name}", daemon=True).start()
 
     def _wait_container(self) -> None:
@@ -333,6 +340,20 @@ class DockerExecutor:
 
     # -- executor interface --------------------------------------------------------------
     def start(self, launch: Launch) -> DockerAttempt:
+        try:
+            return self._start(launch)
+        except (docker.errors.DockerException, requests.exceptions.ConnectionError) as exc:
+            engine_says = getattr(exc, "explanation", None) or str(exc)
+            network = self._network()
+            checks = ["the image", f"the network {network}" if network else "the network"]
+            if launch.gpus:
+                checks.append("the NVIDIA Container Toolkit (the step asks for GPUs)")
+            raise PipelineError(
+                f"step {launch.step}: Docker could not start its container: {engine_says} "
+                f"(check {', '.join(checks)})"
+            ) from None
+
+    def _start(self, launch: Launch) -> DockerAttempt:
         image = launch.image or self.image
         try:
             self.client.images.get(image)
@@ -355,9 +376,7 @@ class DockerExecutor:
             mounts.append(self._mount_for(Path(pipeline_dir).resolve(), read_only=True, required=False))
         unique = {m["Target"]: m for m in mounts if m is not None}
 
-        device_requests = (
-            [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None
-        )
+        device_requests = [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None
         name = f"eyrie-{launch.run_id}-{launch.step}-{launch.attempt}"
         stale = self.client.containers.list(all=True, filters={"name": f"^/{name}$"})
         for container in stale:  # left by a runner that died with the same run id
@@ -386,8 +405,9 @@ class DockerExecutor:
         )
         try:
             return DockerAttempt(self, launch, container, report)
-        except Exception:
-            container.remove(force=True)
+        except BaseException:
+            with contextlib.suppress(docker.errors.DockerException):
+                container.remove(force=True)
             raise
 
     def reap(self, where: str) -> int:

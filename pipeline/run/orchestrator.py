@@ -304,7 +304,15 @@ class Orchestrator:
             image=step.image, commit_id=self.commit,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
-        handle = self.executor.start(launch)
+        try:
+            handle = self.executor.start(launch)
+        except BaseException as exc:
+            ledger.end_attempt(
+                attempt_id, verdict=Verdict.FAILED.value,
+                reason=f"the {self.executor.name} executor could not start it: {exc}",
+                fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])}, timeline=[],
+            )  # fmt: skip
+            raise
         ledger.attempt_started(attempt_id, handle.pid, handle.where)
         running = _Running(step, attempt, attempt_id, launch, handle, fingerprint)
         self._running[step.name] = running

@@ -190,3 +190,22 @@ def test_an_error_in_the_run_stops_its_steps_and_ends_the_run(tmp_path):
         "serve": "cancelled", "prep": "done", "train": "cancelled",
     }  # fmt: skip
     assert "the run stopped on an error" in states["train"]["detail"]
+
+
+def refuses_to_start(launch: Launch) -> FakeAttempt:
+    raise PipelineError(f"step {launch.step}: Docker could not start its container: no such network")
+
+
+def test_an_attempt_that_could_not_start_is_ended_and_the_run_stops(tmp_path):
+    steps = [{"name": "serve"}, {"name": "prep"}]
+    executor = FakeExecutor({"serve": runs_until_stopped, "prep": refuses_to_start})
+    with pytest.raises(PipelineError, match="no such network"):
+        run(tmp_path, steps, executor)
+    ledger = ledger_of(tmp_path)
+    assert ledger.running_attempts() == []
+    prep = ledger.attempts("prep")[-1]
+    assert (
+        prep.verdict == "failed" and "could not start it" in prep.reason and "no such network" in prep.reason
+    )
+    assert ledger.attempts("serve")[-1].verdict == "cancelled"
+    assert ledger.latest_run()["state"] == "failed"
