@@ -92,3 +92,63 @@ def test_the_check_runs_right_after_the_reboot_and_only_then():
     assert check.get("ansible.builtin.import_tasks") == "loaded.yml"
     assert f"{tasks[reboot]['register']} is changed" in check["when"]
     assert "not ansible_check_mode" in check["when"]
+
+
+def _role_tasks_in_order(name: str = "main.yml") -> list[dict]:
+    """The role's tasks as they run: imports expanded in place, blocks flattened."""
+    ordered: list[dict] = []
+    for task in _tasks(name):
+        if "ansible.builtin.import_tasks" in task:
+            ordered += _role_tasks_in_order(task["ansible.builtin.import_tasks"])
+        elif "block" in task:
+            ordered += task["block"]
+        else:
+            ordered.append(task)
+    return ordered
+
+
+def test_the_initramfs_is_rebuilt_by_a_task_before_the_reboot():
+    # Handlers run after the play's roles, i.e. after this role's reboot, and never
+    # when a later task fails: the blacklist must reach the initramfs before it.
+    assert not (ROLE / "handlers").exists() or not yaml.safe_load(
+        (ROLE / "handlers" / "main.yml").read_text()
+    )
+    tasks = _role_tasks_in_order()
+    assert [t["name"] for t in tasks if "notify" in t] == []
+    names = [t["name"] for t in tasks]
+    assert names.index("Blacklist nouveau") < names.index("Rebuild the initramfs")
+    assert names.index("Rebuild the initramfs") < names.index("Reboot into the new driver")
+
+
+def test_initramfs_images_without_the_blacklist_are_found(tmp_path):
+    """The task's own script, its two roots moved under tmp_path, with lsinitramfs reading a listing."""
+    [find] = [
+        t for t in _tasks("nouveau.yml") if t["name"] == "Find initramfs images without the nouveau blacklist"
+    ]
+    state, boot, bin_dir = tmp_path / "state", tmp_path / "boot", tmp_path / "bin"
+    for folder in (state, boot, bin_dir):
+        folder.mkdir()
+    script = find["ansible.builtin.shell"].replace("/var/lib/initramfs-tools", str(state))
+    script = script.replace("/boot/", f"{boot}/")
+    lsinitramfs = bin_dir / "lsinitramfs"
+    lsinitramfs.write_text('#!/bin/sh\ncat "$1"\n')
+    lsinitramfs.chmod(0o755)
+    listing = "\n".join(f"usr/lib/modules/x/kernel/file{i}.ko" for i in range(20000))
+    blacklisted = "etc/modprobe.d/eyrie-blacklist-nouveau.conf"
+    images = {
+        "6.8.0-40-generic": f"{listing}\n{blacklisted}\n",  # rebuilt since the blacklist
+        "6.8.0-45-generic": f"{listing}\netc/modprobe.d/other.conf\n",  # built before it
+        "6.8.0-50-generic": f"./{blacklisted}\n{listing}\n",
+        "6.8.0-51-generic": None,  # known to initramfs-tools, no image: nothing to check
+    }
+    for version, content in images.items():
+        (state / version).touch()
+        if content is not None:
+            (boot / f"initrd.img-{version}").write_text(content)
+    (boot / "initrd.img-6.8.0-40-generic.old-dkms").write_text(listing)  # DKMS's backup: not booted
+    result = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [f"{boot}/initrd.img-6.8.0-45-generic"]
