@@ -63,6 +63,8 @@ class Outcome:
     stderr_tail: list[str] = field(default_factory=list)
     where: str = ""
     """Where it ran: the cgroup path or container id."""
+    runner_error: str | None = None
+    """Set when waiting for or stopping the attempt raised: how it really ended is unknown."""
 
     @property
     def oom_kills(self) -> int:

@@ -9,6 +9,7 @@ leaves attempts marked ``running`` that the next run closes as ``cancelled``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -84,6 +85,7 @@ class _Running:
     launch: Launch
     handle: RunningAttempt
     fingerprint: str
+    started_at: float
 
 
 def eyrie_commit() -> str | None:
@@ -304,6 +306,7 @@ class Orchestrator:
             image=step.image, commit_id=self.commit,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
+        started_at = time.time()
         try:
             handle = self.executor.start(launch)
         except BaseException as exc:
@@ -314,17 +317,31 @@ class Orchestrator:
             )  # fmt: skip
             raise
         ledger.attempt_started(attempt_id, handle.pid, handle.where)
-        running = _Running(step, attempt, attempt_id, launch, handle, fingerprint)
+        running = _Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at)
         self._running[step.name] = running
         threading.Thread(target=self._wait, args=(running,), name=f"wait-{step.name}", daemon=True).start()
 
     def _wait(self, running: _Running) -> None:
-        timeout = running.step.timeout
-        outcome = running.handle.wait(timeout)
-        if outcome is None:
-            running.handle.stop("timeout")
-            outcome = running.handle.wait()
+        try:
+            outcome = running.handle.wait(running.step.timeout)
+            if outcome is None:
+                running.handle.stop("timeout")
+                outcome = running.handle.wait()
+        except Exception as exc:  # noqa: BLE001 - the run loop must hear of every attempt's end
+            outcome = self._lost(running, f"{type(exc).__name__}: {exc}")
         self._results.put((running, outcome))
+
+    @staticmethod
+    def _lost(running: _Running, error: str) -> Outcome:
+        """The outcome of an attempt whose end the runner could not see: stopped if it can be."""
+        with contextlib.suppress(Exception):  # best effort: the error above is what gets recorded
+            running.handle.stop("cancel")
+        return Outcome(
+            exit_code=None, signal=None, oom_kills_before=0, oom_kills_after=0, oom_at=None,
+            peak_bytes=None, anon_peak_bytes=None, started_at=running.started_at, ended_at=time.time(),
+            stderr_tail=[f"eyrie: lost track of the attempt: {error}"], where=running.handle.where,
+            runner_error=error,
+        )  # fmt: skip
 
     def _record(self, ledger: Ledger, running: _Running, outcome: Outcome) -> Decision:
         step, step_dir = running.step, running.launch.cwd

@@ -53,6 +53,8 @@ class Decision:
 
 def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
     """The verdict of an attempt, from what the executor saw and the state of its outputs."""
+    if outcome.runner_error is not None:
+        return Decision(Verdict.FAILED, f"the runner lost track of it: {outcome.runner_error}")
     ended = _ending(outcome)
     if outcome.stopped_by == "timeout":
         return Decision(Verdict.TIMED_OUT, f"the runner stopped it at its timeout; {ended}")

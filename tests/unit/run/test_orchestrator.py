@@ -209,3 +209,31 @@ def test_an_attempt_that_could_not_start_is_ended_and_the_run_stops(tmp_path):
     )
     assert ledger.attempts("serve")[-1].verdict == "cancelled"
     assert ledger.latest_run()["state"] == "failed"
+
+
+class BrokenAttempt(FakeAttempt):
+    """Waiting for it (or stopping it) raises, as a lost connection to the engine would."""
+
+    def __init__(self, launch: Launch, *, wait_raises: bool) -> None:
+        super().__init__(launch, None)
+        self.wait_raises = wait_raises
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        if self.wait_raises:
+            raise ConnectionResetError("the engine closed the connection")
+        return super().wait(timeout)
+
+    def stop(self, reason: str) -> None:
+        super().stop(reason)
+        if not self.wait_raises:
+            raise ConnectionResetError("the engine closed the connection")
+
+
+@pytest.mark.parametrize("wait_raises", [True, False], ids=["wait raises", "stop raises"])
+def test_an_attempt_the_runner_lost_track_of_ends_failed(tmp_path, wait_raises):
+    steps = [{"name": "train", "timeout": 0.2}, {"name": "after", "needs": ["train"]}]
+    executor = FakeExecutor({"train": lambda launch: BrokenAttempt(launch, wait_raises=wait_raises)})
+    assert run(tmp_path, steps, executor).state == "failed"
+    (attempt,) = ledger_of(tmp_path).attempts()
+    assert attempt.verdict == "failed" and "the engine closed the connection" in attempt.reason
+    assert "ConnectionResetError: the engine closed the connection" in attempt.as_json()["stderr_tail"][-1]
