@@ -238,9 +238,6 @@ class CgroupV2(Cgroup):
     def oom_kills(self) -> int:
         return _read_keyed(self.path / "memory.events").get("oom_kill", 0)
 
-    def events(self) -> dict[str, int]:
-        return _read_keyed(self.path / "memory.events")
-
     def sample(self) -> MemorySample:
         stat = self.stat()
         return MemorySample(total=self.usage(), anon=stat.get("anon", 0), file=stat.get("file", 0))

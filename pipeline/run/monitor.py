@@ -36,10 +36,10 @@ class MonitorReport:
 
 
 class CgroupMonitor:
-    def __init__(self, cgroup: Cgroup, *, oom_kills_before: int | None = None) -> None:
+    def __init__(self, cgroup: Cgroup) -> None:
         self.cgroup = cgroup
         self.started = time.time()
-        self._before = cgroup.oom_kills() if oom_kills_before is None else oom_kills_before
+        self._before = cgroup.oom_kills()
         self._last_kills = self._before
         self._oom_at: float | None = None
         self._total_peak = 0

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -70,7 +70,6 @@ class RunDirBusy(RuntimeError):
 class RunResult:
     run_id: str
     state: str  # succeeded | failed | cancelled
-    step_states: dict[str, str] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -253,7 +252,7 @@ class Orchestrator:
         else:
             run_state = "failed"
         ledger.end_run(self.run_id, run_state)
-        return RunResult(self.run_id, run_state, dict(states))
+        return RunResult(self.run_id, run_state)
 
     def _stop_all(self) -> None:
         for r in list(self._running.values()):
