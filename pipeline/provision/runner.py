@@ -1,8 +1,9 @@
 """Runs the provisioning playbook through ansible-runner and turns its events into facts.
 
 The private data dir (``.eyrie/ansible/`` by default) keeps ansible-runner's
-layout: ``inventory/`` (the one-host inventory ``--host`` writes),
-``artifacts/<ident>/`` (job events, stdout, rc, status, kept for the last runs).
+layout: ``inventory/`` (the site's variables as an inventory source, and the
+one-host inventory ``--host`` writes), ``artifacts/<ident>/`` (job events,
+stdout, rc, status, kept for the last runs).
 Every event updates a per-host tally; failures and unreachable hosts are kept
 with the task that hit them, so the caller can name host and task.
 """
@@ -22,9 +23,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = Path(os.environ.get("EYRIE_ANSIBLE_DIR", REPO / "ansible"))
 PLAYBOOK = "playbooks/provision.yml"
-SITE_GROUP_VARS = ANSIBLE_DIR / "inventory" / "group_vars"
-DEFAULT_DATA_DIR = Path(".eyrie/ansible")
 HOST_GROUP = "gpu_hosts"
+# The site's values for every GPU host (make verify reads the same file).
+SITE_VARS = ANSIBLE_DIR / "inventory" / "group_vars" / f"{HOST_GROUP}.yml"
+DEFAULT_DATA_DIR = Path(".eyrie/ansible")
 KEPT_ARTIFACTS = 20
 
 
@@ -88,6 +90,27 @@ def host_inventory(host: str) -> dict[str, Any]:
             raise ProvisionError(f"--host {host!r}: port {port!r} is not a number")
         hostvars["ansible_port"] = int(port)
     return {HOST_GROUP: {"hosts": {name: hostvars or None}}}
+
+
+def site_inventory() -> dict[str, Any]:
+    """The site's variables as an inventory source, given to Ansible before the user's inventory.
+
+    They are the ``all`` group's variables there, so precedence is: role defaults,
+    then the site's file, then anything the user's inventory sets (its ``all``,
+    its groups, its hosts) — the order ``make verify`` reads them in.
+    """
+    if not SITE_VARS.exists():
+        return {"all": {}}
+    try:
+        variables = yaml.safe_load(SITE_VARS.read_text())
+    except yaml.YAMLError as exc:
+        raise ProvisionError(f"{SITE_VARS}: not valid YAML: {exc}") from exc
+    if not variables:
+        return {"all": {}}
+    if not isinstance(variables, dict):
+        kind = type(variables).__name__
+        raise ProvisionError(f"{SITE_VARS}: must map variable names to values, not a {kind}")
+    return {"all": {"vars": variables}}
 
 
 def _message(result: dict[str, Any]) -> str:
@@ -166,19 +189,22 @@ def provision(
     if (host is None) == (inventory is None):
         raise ProvisionError("give exactly one of --host NAME or --inventory FILE")
     data_dir = data_dir.resolve()
-    (data_dir / "inventory").mkdir(parents=True, exist_ok=True)
+    generated = data_dir / "inventory"
+    generated.mkdir(parents=True, exist_ok=True)
+    # A group_vars link left here by an earlier eyrie would add the site's file at
+    # group_vars precedence, above the user's inventory: it goes.
+    if (generated / "group_vars").is_symlink():
+        (generated / "group_vars").unlink()
     if host is not None:
-        inventory_path = data_dir / "inventory" / "host.yml"
+        inventory_path = generated / "host.yml"
         inventory_path.write_text(yaml.safe_dump(host_inventory(host), sort_keys=False))
-        # The site's group_vars apply to a single host as they do to an inventory beside them.
-        group_vars = data_dir / "inventory" / "group_vars"
-        if not group_vars.is_symlink() or group_vars.resolve() != SITE_GROUP_VARS:
-            group_vars.unlink(missing_ok=True)
-            group_vars.symlink_to(SITE_GROUP_VARS, target_is_directory=True)
     else:
         inventory_path = Path(inventory).resolve()
         if not inventory_path.exists():
             raise ProvisionError(f"inventory {inventory} does not exist; copy ansible/inventory/example.yml")
+    # The site's variables apply to an inventory run as to a one-host run, wherever the inventory lives.
+    site_path = generated / "site.yml"
+    site_path.write_text(yaml.safe_dump(site_inventory(), sort_keys=False))
     playbook = ANSIBLE_DIR / PLAYBOOK
     if not playbook.exists():
         raise ProvisionError(f"playbook {playbook} is missing; set EYRIE_ANSIBLE_DIR to the ansible/ folder")
@@ -196,7 +222,7 @@ def provision(
         private_data_dir=str(data_dir),
         project_dir=str(ANSIBLE_DIR),
         playbook=str(playbook),
-        inventory=str(inventory_path),
+        inventory=[str(site_path), str(inventory_path)],  # later sources win
         limit=limit,
         extravars=extravars or None,
         cmdline=" ".join(cmdline) or None,

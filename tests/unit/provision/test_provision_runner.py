@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline.provision import ProvisionError, host_inventory, provision
-from pipeline.provision.runner import REPO
+from pipeline.provision import ProvisionError, host_inventory, provision, runner
+from pipeline.provision.runner import REPO, SITE_VARS
+
+SITE = yaml.safe_load(SITE_VARS.read_text())
 
 
 def test_host_inventory_reads_user_and_port():
@@ -44,10 +48,62 @@ def test_unreachable_host_is_named_with_its_task(tmp_path):
     # The run's artifacts are kept: events, stdout, rc.
     assert (result.artifacts / "rc").read_text().strip() == str(result.rc)
     assert list((result.artifacts / "job_events").glob("*.json"))
-    # The site's group_vars apply to a single host too.
     written = yaml.safe_load((tmp_path / "inventory" / "host.yml").read_text())
     assert written == {"gpu_hosts": {"hosts": {"eyrie-no-such-host.invalid": {"ansible_user": "root"}}}}
-    assert (tmp_path / "inventory" / "group_vars" / "gpu_hosts.yml").exists()
+    # The site's variables apply to a single host too.
+    assert (
+        _variables(result, "eyrie-no-such-host.invalid")["host_expected_gpu_count"]
+        == SITE["host_expected_gpu_count"]
+    )
+
+
+def _variables(result, host: str) -> dict:
+    """A host's variables, read by ansible-inventory from the inventory sources the run was given."""
+    command = json.loads((result.artifacts / "command").read_text())["command"]
+    sources = [command[i + 1] for i, arg in enumerate(command) if arg == "-i"]
+    inventory_command = Path(sys.executable).parent / "ansible-inventory"
+    listed = subprocess.run(
+        [str(inventory_command), *(f"-i{s}" for s in sources), "--host", host],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return json.loads(listed.stdout)
+
+
+def test_an_inventory_anywhere_gets_the_site_variables_below_its_own(tmp_path, monkeypatch):
+    site = tmp_path / "site" / "gpu_hosts.yml"
+    site.parent.mkdir()
+    site.write_text(yaml.safe_dump({name: "site" for name in ("only_site", "in_all", "in_group", "in_host")}))
+    monkeypatch.setattr(runner, "SITE_VARS", site)
+    inventory = tmp_path / "elsewhere" / "hosts.yml"  # not beside ansible/inventory/group_vars
+    inventory.parent.mkdir()
+    inventory.write_text(
+        yaml.safe_dump(
+            {
+                "all": {"vars": {"in_all": "inventory all"}},
+                "gpu_hosts": {
+                    "hosts": {"gpu-gone.invalid": {"in_host": "inventory host"}},
+                    "vars": {"in_group": "inventory group"},
+                },
+            }
+        )
+    )
+    result = provision(inventory=inventory, data_dir=tmp_path / "data")
+    assert not result.succeeded  # the host does not exist; its variables are what counts
+    variables = _variables(result, "gpu-gone.invalid")
+    assert {name: variables[name] for name in ("only_site", "in_all", "in_group", "in_host")} == {
+        "only_site": "site",
+        "in_all": "inventory all",
+        "in_group": "inventory group",
+        "in_host": "inventory host",
+    }
+
+
+def test_a_site_file_that_is_not_a_mapping_stops_the_run(tmp_path, monkeypatch):
+    site = tmp_path / "gpu_hosts.yml"
+    site.write_text("- a list\n")
+    monkeypatch.setattr(runner, "SITE_VARS", site)
+    with pytest.raises(ProvisionError, match="must map variable names to values"):
+        provision(host="gpu01", data_dir=tmp_path / "data")
 
 
 def test_cli_exits_non_zero_naming_host_and_task(tmp_path):
