@@ -3,8 +3,7 @@
 import sys
 from pathlib import Path
 
-from pipeline.steps.train.cli import worker
-from pipeline.steps.train.train import TrainConfig
+from pipeline.steps.train.cli import worker_main
 
 if __name__ == "__main__":
-    sys.exit(worker(TrainConfig.model_validate_json(Path(sys.argv[1]).read_text())))
+    sys.exit(worker_main(Path(sys.argv[1])))

@@ -1,20 +1,24 @@
 """``eyrie train``: the pipeline step. Trains (or resumes), exports ``draft/``, evaluates into ``eval.json``.
 
-With ``nproc``/``nnodes`` above 1 the command relaunches itself under ``torchrun``;
-each worker runs :func:`worker` and rank 0 exports and evaluates. The manifest is
-written last, by the launching process, after every worker has exited cleanly.
+With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-process;
+each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
+and evaluates. The manifest is written last, by the launching process, after every
+worker has exited cleanly.
+
+Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
+2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.train.train import TrainConfig
@@ -22,12 +26,70 @@ from pipeline.steps.train.train import TrainConfig
 DRAFT = "draft"
 EVAL = "eval.json"
 RESOLVED = "train_config.json"
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+# What the step raises for wrong settings or input (a missing file, shards it cannot use,
+# a target it cannot load): said in one line, nothing to resume.
+BAD_INPUT_ERRORS = (ValueError, FileNotFoundError)
+
+
+class SettingsError(Exception):
+    """Wrong settings: one ``<where>: <field>: <message>`` line per problem."""
+
+
+def _validation_lines(exc: ValidationError, where_of) -> str:
+    lines = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        field = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            message = f"unknown setting (known: {', '.join(TrainConfig.model_fields)})"
+        else:
+            message = f"{error['msg']}, got {error['input']!r}"
+        lines.append(f"{where_of(name)}: {field}: {message}")
+    return "\n".join(lines)
+
+
+def _read_yaml(config_file: Path) -> dict:
+    try:
+        values = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"{config_file}: cannot read it: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{config_file}:{mark.line + 1}" if mark else str(config_file)
+        raise SettingsError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if values is None:  # an empty file sets nothing
+        return {}
+    if not isinstance(values, dict):
+        raise SettingsError(f"{config_file}: expected 'setting: value' lines, got a {type(values).__name__}")
+    return values
 
 
 def load_config(config_file: Path | None, overrides: dict) -> TrainConfig:
-    values = yaml.safe_load(config_file.read_text()) if config_file else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainConfig(**values)
+    """The settings from ``config_file`` with the command line's ``overrides`` on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values = {**(_read_yaml(config_file) if config_file else {}), **given}
+
+    def where_of(name: str) -> str:
+        if name in given or config_file is None:
+            return "--" + name.replace("_", "-")
+        return str(config_file)
+
+    try:
+        return TrainConfig.model_validate(values)
+    except ValidationError as exc:
+        raise SettingsError(_validation_lines(exc, where_of)) from None
+
+
+def read_resolved(path: Path) -> TrainConfig:
+    """The settings the launcher resolved for the torchrun workers."""
+    try:
+        return TrainConfig.model_validate_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read it: {exc.strerror}") from None
+    except ValidationError as exc:
+        raise SettingsError(_validation_lines(exc, lambda _: str(path))) from None
 
 
 def worker(cfg: TrainConfig) -> int:
@@ -69,33 +131,80 @@ def worker(cfg: TrainConfig) -> int:
     return 0
 
 
+def _say(message: str) -> None:
+    for line in message.splitlines():
+        print(f"eyrie train: {line}", file=sys.stderr, flush=True)
+
+
+def worker_main(resolved: Path) -> int:
+    """A torchrun worker's entry: bad settings or input are one line (from each node's first
+    worker, the others would repeat it) and exit 2, which tells the launcher not to offer a resume."""
+    try:
+        worker(read_resolved(resolved))
+    except (SettingsError, *BAD_INPUT_ERRORS) as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _say(str(exc))
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    for required, what in ((cfg.data, "--data"), (cfg.target, "--target")):
+        if not required.exists():
+            raise SettingsError(f"{what} {required} does not exist (run its step first)")
+    if cfg.target.is_dir() and not (cfg.target / "config.json").is_file():
+        raise SettingsError(f"--target {cfg.target} is not a Hugging Face model folder (no config.json)")
+
+
+def launch_workers(cfg: TrainConfig, resolved: Path) -> int:
+    """Run torchrun's launcher here, so a worker's exit code (2: bad input) is known, and the
+    launcher's own traceback is not printed for it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    launch = [f"--nproc-per-node={cfg.nproc}"]
+    launch += ["--standalone"] if cfg.nnodes == 1 else [f"--nnodes={cfg.nnodes}"]
+    try:
+        run(parse_args([*launch, "-m", "pipeline.steps.train", str(resolved)]))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT  # the worker said why
+        code = failure.exitcode
+        how = f"died of signal {-code}" if code < 0 else f"exited with {code}"
+        _say(f"worker rank {rank} {how}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
+        return EXIT_FAILED
+    except SignalException as exc:
+        _say(f"stopped by signal {exc.sigval}; a rerun resumes from the last checkpoint")
+        return 128 + int(exc.sigval)
+    return 0
+
+
 def train_command(config_file: Path | None, **overrides) -> int:
     step_dir = step_dir_from_env()
     overrides.setdefault("out", None)
-    cfg = load_config(config_file, overrides)
-    if cfg.out == Path("."):
-        cfg.out = step_dir
+    try:
+        cfg = load_config(config_file, overrides)
+        if cfg.out == Path("."):
+            cfg.out = step_dir
+        check_inputs(cfg)
+    except SettingsError as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for required, what in ((cfg.data, "--data"), (cfg.target, "--target")):
-        if not required.exists():
-            print(f"eyrie train: {what} {required} does not exist (run its step first)", file=sys.stderr)
-            return 2
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         resolved = cfg.out / RESOLVED
         atomic_write_text(resolved, cfg.model_dump_json(indent=2))
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}"]
-        launch += ["--standalone"] if cfg.nnodes == 1 else [f"--nnodes={cfg.nnodes}"]
-        rc = subprocess.call([*launch, "-m", "pipeline.steps.train", str(resolved)])
+        rc = launch_workers(cfg, resolved)
         if rc != 0:
-            where = cfg.out / "checkpoints"
-            print(f"eyrie train: torchrun exited with {rc}; a rerun resumes from {where}", file=sys.stderr)
             return rc
     else:
         try:
             worker(cfg)
-        except (ValueError, FileNotFoundError) as exc:  # bad data or config: one line, not a traceback
-            print(f"eyrie train: {exc}", file=sys.stderr)
-            return 2
+        except BAD_INPUT_ERRORS as exc:
+            _say(str(exc))
+            return EXIT_BAD_INPUT
     report = json.loads((cfg.out / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
     stats = {k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,28 +47,28 @@ class TrainConfig(BaseModel):
     target: Path
     """The target model folder (Hugging Face)."""
     out: Path = Path(".")
-    draft_vocab_size: int = 32000
-    ttt_steps: int = 7
-    layer_ids: list[int] | None = None
+    draft_vocab_size: int = Field(32000, ge=1)
+    ttt_steps: int = Field(7, ge=1)
+    layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     loss_decay: float = 0.8
-    lr: float = 1e-4
-    warmup_ratio: float = 0.015
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    epochs: float = 1.0
-    max_steps: int | None = None
-    batch_size: int = 1
-    max_length: int = 2048
+    lr: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.015, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(1, ge=1)
+    max_length: int = Field(2048, ge=3)  # rows shorter than 3 tokens have nothing to train on
     seed: int = 0
-    checkpoint_every: int = 100
-    log_every: int = 10
-    heldout_fraction: float = 0.05
-    loss_chunk: int = 512
-    eval_prompts: int = 32
-    eval_max_new_tokens: int = 64
-    threads: int | None = None
-    nproc: int = 1
-    nnodes: int = 1
+    checkpoint_every: int = Field(100, ge=1)
+    log_every: int = Field(10, ge=1)
+    heldout_fraction: float = Field(0.05, ge=0, lt=1)
+    loss_chunk: int = Field(512, ge=1)
+    eval_prompts: int = Field(32, ge=0)
+    eval_max_new_tokens: int = Field(64, ge=1)
+    threads: int | None = Field(None, ge=1)
+    nproc: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
 
 
 class DraftLoss(nn.Module):
@@ -160,7 +160,11 @@ def build(cfg: TrainConfig, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device)
+    except (OSError, ValueError) as exc:  # not a model folder, weights missing or unreadable
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--target {cfg.target}: cannot load the model: {reason}") from None
     rows = load_shards(cfg.data, cfg.max_length)
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
     if not train_rows:

@@ -135,6 +135,27 @@ def test_missing_input_is_a_one_line_error(small_run, tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
+def test_bad_settings_are_one_line_errors_also_under_torchrun(small_run, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("lrr: 1\n")
+    done = _run(_train_argv(small_run, tmp_path / "step", "--config", str(config)), tmp_path / "step")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith(f"eyrie train: {config}: lrr: unknown setting")
+    assert len(done.stderr.splitlines()) == 1
+
+    # A target whose weights are missing is found by the workers: one line, no traceback, no resume.
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((small_run["target"] / "config.json").read_text())
+    argv = [*EYRIE, "train", "--data", str(small_run["data"]), "--target", str(weightless), "--nproc", "2"]
+    done = _run(argv, tmp_path / "ddp")
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("eyrie train:")]
+    assert len(said) == 1 and "cannot load the model" in said[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "rerun" not in done.stderr
+    assert not (tmp_path / "ddp" / "manifest.json").exists()
+
+
 def test_shards_of_another_vocabulary_are_a_one_line_error(small_run, tmp_path):
     (tmp_path / "shards").mkdir()
     rows = {"input_ids": [[5, 6, 500, 7] * 4] * 4, "loss_mask": [[0, 1, 1, 1] * 4] * 4}

@@ -1,0 +1,121 @@
+"""``eyrie train``'s settings and launcher: wrong settings are one line each and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed.run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from transformers import LlamaConfig
+
+from pipeline.steps.train import cli
+from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
+from pipeline.steps.train.train import TrainConfig
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "shards").mkdir()
+    LlamaConfig(num_hidden_layers=4).save_pretrained(tmp_path / "target")  # a config, no weights
+    return {"data": tmp_path / "shards", "target": tmp_path / "target"}
+
+
+def settings_error(config_file, overrides) -> str:
+    with pytest.raises(SettingsError) as caught:
+        load_config(config_file, overrides)
+    return str(caught.value)
+
+
+def test_an_unknown_key_in_the_file_names_the_file_and_the_key(tmp_path, inputs):
+    config = tmp_path / "bad.yaml"
+    config.write_text("lr: 1e-3\nlrr: 5\n")
+    message = settings_error(config, inputs)
+    assert message.startswith(f"{config}: lrr: unknown setting (known: data, target,")
+    assert "\n" not in message
+
+
+def test_a_wrong_value_is_blamed_on_where_it_came_from(tmp_path, inputs):
+    config = tmp_path / "train.yaml"
+    config.write_text("batch_size: 0\n")
+    assert (
+        settings_error(config, inputs)
+        == f"{config}: batch_size: Input should be greater than or equal to 1, got 0"
+    )
+    overrides = {**inputs, "layer_ids": ["1", "a", "3"], "lr": None}
+    message = settings_error(config, overrides)
+    assert message.splitlines() == [
+        "--layer-ids: layer_ids.1: Input should be a valid integer, unable to parse string as an integer, "
+        "got 'a'",
+        f"{config}: batch_size: Input should be greater than or equal to 1, got 0",
+    ]
+
+
+def test_missing_broken_or_odd_config_files(tmp_path, inputs):
+    missing = tmp_path / "missing.yaml"
+    assert settings_error(missing, inputs) == f"{missing}: cannot read it: No such file or directory"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lr: 1e-3\nlayer_ids: [1,\n")
+    assert settings_error(broken, inputs).startswith(f"{broken}:3: not valid YAML: ")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- lr\n")
+    assert settings_error(listing, inputs) == f"{listing}: expected 'setting: value' lines, got a list"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set\n")
+    assert load_config(empty, inputs) == TrainConfig(**inputs)
+
+
+def test_a_target_folder_without_a_model_config(tmp_path, inputs):
+    cfg = TrainConfig(data=inputs["data"], target=tmp_path)
+    with pytest.raises(
+        SettingsError, match=r"--target .* is not a Hugging Face model folder \(no config.json\)"
+    ):
+        check_inputs(cfg)
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
+    tmp_path, inputs, monkeypatch, capsys, local_rank
+):
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert worker_main(tmp_path / "nope.json") == cli.EXIT_BAD_INPUT
+    # The target has a config but no weights: found only when a worker loads it.
+    resolved = tmp_path / "train_config.json"
+    resolved.write_text(TrainConfig(**inputs, out=tmp_path).model_dump_json())
+    assert worker_main(resolved) == cli.EXIT_BAD_INPUT
+    lines = capsys.readouterr().err.splitlines()
+    if local_rank == "0":
+        assert lines[0] == f"eyrie train: {tmp_path / 'nope.json'}: cannot read it: No such file or directory"
+        assert lines[1].startswith(f"eyrie train: --target {inputs['target']}: cannot load the model: ")
+        assert len(lines) == 2
+    else:
+        assert lines == []
+
+
+@pytest.mark.parametrize(("exitcode", "rc", "resume"), [(2, 2, False), (1, 1, True), (-9, 1, True)])
+def test_launcher_offers_a_resume_only_when_a_worker_did_not_refuse_its_input(
+    tmp_path, monkeypatch, capsys, exitcode, rc, resume
+):
+    def failing_run(args):
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="<N/A>")
+        raise ChildFailedError("pipeline.steps.train", {0: failure})
+
+    monkeypatch.setattr(torch.distributed.run, "run", failing_run)
+    cfg = TrainConfig(data=tmp_path, target=tmp_path, out=tmp_path, nproc=2)
+    assert cli.launch_workers(cfg, tmp_path / "train_config.json") == rc
+    err = capsys.readouterr().err
+    assert ("a rerun resumes from the last checkpoint" in err) == resume
+    if exitcode == -9:
+        assert "worker rank 0 died of signal 9" in err
+
+
+def test_resolved_settings_round_trip(tmp_path, inputs):
+    resolved = tmp_path / "train_config.json"
+    cfg = TrainConfig(**inputs, out=tmp_path, layer_ids=[1, 2, 3])
+    resolved.write_text(cfg.model_dump_json())
+    assert cli.read_resolved(resolved) == cfg
+    resolved.write_text(json.dumps({**json.loads(cfg.model_dump_json()), "nproc": 0}))
+    with pytest.raises(
+        SettingsError, match=rf"^{resolved}: nproc: Input should be greater than or equal to 1"
+    ):
+        cli.read_resolved(resolved)
