@@ -95,7 +95,7 @@ def read_resolved(path: Path) -> TrainConfig:
 def worker(cfg: TrainConfig) -> int:
     import torch
 
-    from pipeline.steps.train.evaluate import real_acceptance
+    from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
     from pipeline.steps.train.export import export_draft
     from pipeline.steps.train.features import OnlineTarget
     from pipeline.steps.train.train import simulated_acceptance, train
@@ -111,7 +111,7 @@ def worker(cfg: TrainConfig) -> int:
     simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id)
     real = real_acceptance(
         target, draft, heldout[: cfg.eval_prompts], cfg.ttt_steps, cfg.eval_max_new_tokens,
-        target.generation_config.eos_token_id or target.config.eos_token_id,
+        eos_ids_of(target),
     )  # fmt: skip
     report = {
         **result["summary"],

@@ -7,6 +7,8 @@ what it measures is how many tokens each target forward yields: the acceptance l
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from pipeline.steps.train.model import Eagle3Draft, StepCache
@@ -44,9 +46,20 @@ def propose(draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int) 
     return proposals
 
 
+def eos_ids_of(target) -> frozenset[int]:
+    """The target's end-of-sequence ids, as its ``generate`` uses them: one id or a list of them
+    (Llama 3, Qwen3), from the generation config, else the model config."""
+    eos = target.generation_config.eos_token_id
+    if eos is None:
+        eos = target.config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
 @torch.no_grad()
 def speculative_generate(
-    target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_id: int | None
+    target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> tuple[list[int], list[int]]:
     """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
     layer_ids = draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
@@ -54,18 +67,19 @@ def speculative_generate(
     ids = prompt + [argmax[-1]]
     generated = [argmax[-1]]
     per_forward: list[int] = []
-    while len(generated) < max_new_tokens and generated[-1] != eos_id:
+    while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
         drafts = propose(draft, ids, features, k)
         argmax, features = _target_pass(target, ids + drafts, layer_ids)
         base = len(ids) - 1  # the target's prediction after ids[-1]
         accepted = 0
         while accepted < k and drafts[accepted] == argmax[base + accepted]:
-            if drafts[accepted] == eos_id:
+            if drafts[accepted] in eos_ids:
                 break
             accepted += 1
         new = drafts[:accepted] + [argmax[base + accepted]]
-        if eos_id in new:
-            new = new[: new.index(eos_id) + 1]
+        end = next((i for i, token in enumerate(new) if token in eos_ids), None)
+        if end is not None:
+            new = new[: end + 1]
         new = new[: max_new_tokens - len(generated)]
         per_forward.append(len(new))
         ids += new
@@ -79,14 +93,16 @@ def prompt_of(input_ids: list[int], loss_mask: list[int]) -> list[int]:
     return input_ids[:first]
 
 
-def real_acceptance(target, draft: Eagle3Draft, rows, k: int, max_new_tokens: int, eos_id) -> dict:
+def real_acceptance(
+    target, draft: Eagle3Draft, rows, k: int, max_new_tokens: int, eos_ids: Collection[int]
+) -> dict:
     """Mean tokens per verifying target forward over held-out prompts."""
     yielded: list[int] = []
     for row in rows:
         prompt = prompt_of(row.input_ids, row.loss_mask)
         if len(prompt) < 2:
             continue
-        _, per_forward = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_id)
+        _, per_forward = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_ids)
         yielded += per_forward
     return {
         "prompts": len(rows),

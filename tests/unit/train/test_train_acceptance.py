@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.train.evaluate import real_acceptance
+from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
 
@@ -24,7 +24,7 @@ def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
     simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
     real = real_acceptance(
-        target, draft, heldout[:prompts], cfg.ttt_steps, max_new_tokens, target.config.eos_token_id
+        target, draft, heldout[:prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
     )
     return simulated, real
 

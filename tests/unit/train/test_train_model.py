@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.train.data import Example
-from pipeline.steps.train.evaluate import propose, real_acceptance, speculative_generate
+from pipeline.steps.train.evaluate import eos_ids_of, propose, real_acceptance, speculative_generate
 from pipeline.steps.train.export import export_draft, load_draft
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
@@ -163,7 +163,7 @@ def test_speculative_decoding_is_lossless():
     target = _tiny_target(seed=5)
     draft = _draft_for(target)
     prompt = [5, 17, 33, 8, 61, 2]
-    generated, per_forward = speculative_generate(target, draft, prompt, k=4, max_new_tokens=30, eos_id=1)
+    generated, per_forward = speculative_generate(target, draft, prompt, k=4, max_new_tokens=30, eos_ids={1})
     with torch.no_grad():
         greedy = target.generate(
             torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=1, pad_token_id=0
@@ -183,5 +183,34 @@ def test_fp32_draft_is_evaluated_on_a_bf16_target():
     source = OnlineTarget(target, [0, 2, 3], draft.d2t, draft.t2d)
     simulated = simulated_acceptance(source, draft, rows, 3, pad_id=0)
     assert len(simulated["acc"]) == 3 and simulated["acceptance_length"] >= 1.0
-    real = real_acceptance(target, draft, rows, 3, max_new_tokens=8, eos_id=1)
+    real = real_acceptance(target, draft, rows, 3, max_new_tokens=8, eos_ids={1})
     assert real["verify_forwards"] > 0
+
+
+def test_decoding_stops_at_any_of_several_end_tokens():
+    """Llama 3 and Qwen3 list several end-of-sequence ids in their generation config."""
+    target = _tiny_target(seed=5)
+    draft = _draft_for(target)
+    prompt = [5, 17, 33, 8, 61, 2]
+    with torch.no_grad():
+        free = target.generate(
+            torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    stop = free[6]  # the target's own 7th token ends the answer
+    first = free.index(stop)
+    target.generation_config.eos_token_id = [95, stop]
+    assert eos_ids_of(target) == {95, stop}
+    generated, per_forward = speculative_generate(target, draft, prompt, 4, 30, eos_ids_of(target))
+    assert generated == free[: first + 1]
+    with torch.no_grad():
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert generated == greedy[0, len(prompt) :].tolist()
+    assert sum(per_forward) == len(generated) - 1
+
+
+def test_eos_ids_of_one_id_or_none():
+    target = _tiny_target()
+    target.generation_config.eos_token_id = None
+    assert eos_ids_of(target) == {1}  # from the model config
+    target.config.eos_token_id = None
+    assert eos_ids_of(target) == frozenset()
