@@ -5,10 +5,11 @@ aiohttp, not httpx: against a server that answers at once, httpx's AsyncClient s
 (benchmarks/README.md); it is also what ``sglang.bench_serving`` uses.
 
 Each request goes to the server with the fewest requests outstanding. Transient
-failures (connection refused or reset, timeouts, 429, 5xx) are retried with
-exponential backoff and full jitter; a 4xx other than 429 is permanent and carries
-the server's message. A server that still refuses connections after every retry is
-marked dead; when every server is dead the run stops (``ServersDead``).
+failures (connection refused or reset, timeouts, 429, 5xx, any other HTTP client
+error such as a garbled response) are retried with exponential backoff and full
+jitter; a 4xx other than 429 is permanent and carries the server's message. A
+server that still refuses connections after every retry is marked dead; when every
+server is dead the run stops (``ServersDead``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def _error_message(body: bytes) -> str:
             error = data["detail"]
         return str(error)[:500]
     return text.strip()[:500]
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's type and message on one line (aiohttp's parser errors span several)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split()).removesuffix(":")
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -176,16 +182,27 @@ class ChatClient:
             await asyncio.sleep(poll_s)
 
     async def first_model(self) -> str:
+        """The first model a server lists at ``/v1/models``."""
+        problems: list[str] = []
         for server in self.servers:
-            async with self.session.get(server.url + "/v1/models") as response:
-                if response.status in (401, 403):
-                    raise AuthError(f"{server.url}/v1/models answered HTTP {response.status}: {_AUTH_HINT}")
-                if response.status == 200:
-                    data = await response.json(content_type=None)
-                    models = data.get("data") or []
-                    if models:
-                        return models[0]["id"]
-        raise PermanentError("no_model", "no server lists a model at /v1/models: pass --model")
+            url = server.url + "/v1/models"
+            try:
+                async with self.session.get(url) as response:
+                    status = response.status
+                    body = await response.read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                problems.append(f"{url}: {_one_line(exc)}")
+                continue
+            if status in (401, 403):
+                raise AuthError(f"{url} answered HTTP {status}: {_AUTH_HINT}")
+            if status != 200:
+                problems.append(f"{url} answered HTTP {status}")
+                continue
+            try:
+                return str(json.loads(body)["data"][0]["id"])
+            except (ValueError, KeyError, IndexError, TypeError):
+                problems.append(f"{url} answered no model list: {body[:120]!r}")
+        raise PermanentError("no_model", f"no server lists a model ({'; '.join(problems)}): pass --model")
 
     # -- requests ----------------------------------------------------------------------
     def _pick(self) -> Server:
@@ -243,6 +260,11 @@ class ChatClient:
             except TimeoutError:
                 kind = "timeout"
                 server.last_error = "request timed out"
+            except aiohttp.ClientError as exc:
+                # Any other client error (a garbled response, a connection closed mid-read) says
+                # nothing against the request itself: retried like a disconnect.
+                kind = "client_error"
+                server.last_error = _one_line(exc)
             finally:
                 server.outstanding -= 1
             self.counters.transient[kind] = self.counters.transient.get(kind, 0) + 1
