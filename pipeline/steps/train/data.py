@@ -91,13 +91,18 @@ def collate(rows: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
 def batch_at(rows: list[Example], step: int, batch_size: int, seed: int, rank: int, world: int):
     """The rows rank ``rank`` trains on at global step ``step`` (each step takes batch_size*world rows)."""
-    per_step = batch_size * world
-    steps_per_epoch = max(1, len(rows) // per_step)
-    epoch, index = divmod(step, steps_per_epoch)
+    epoch, index = divmod(step, steps_per_epoch(len(rows), batch_size, world))
     order = epoch_order(len(rows), seed, epoch)
-    start = index * per_step + rank * batch_size
+    start = index * batch_size * world + rank * batch_size
     return [rows[i] for i in order[start : start + batch_size]]
 
 
 def steps_per_epoch(n_rows: int, batch_size: int, world: int) -> int:
-    return max(1, n_rows // (batch_size * world))
+    """Whole steps in one pass over the rows; every rank's batch is full."""
+    if n_rows < batch_size * world:
+        # Some rank would get fewer rows than its batch, or none at all.
+        raise ValueError(
+            f"{n_rows} training rows are fewer than one optimizer step takes (batch size {batch_size} "
+            f"x {world} processes): lower --batch-size or --nproc, or give more data"
+        )
+    return n_rows // (batch_size * world)
