@@ -23,11 +23,15 @@ def test_tokenizer_is_deterministic_and_learned_from_every_sample_file(tmp_path,
     assert first == second
     vocab = json.loads(first)["model"]["vocab"]
     assert len(vocab) == tiny.VOCAB_SIZE
-    texts = set(tiny.sample_texts())
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer())
     for path in tiny._sample_files(tiny.SAMPLES_DIR):
         raw = path.read_text(encoding="utf-8")
         row = json.loads(raw.splitlines()[0]) if path.suffix == ".jsonl" else json.loads(raw)[0]
-        assert set(tiny._strings(row)) <= texts, path.name
+        text = max(tiny._strings(row), key=len)
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        # Merges learned from the file's own text give 3-6.5 bytes per token here; a tokenizer
+        # trained on gsm8k alone gets 1.15-1.4 on the other files.
+        assert 2 * len(tokens) < len(text.encode()), path.name
 
 
 def test_chat_template_renders_every_turn_kind():
