@@ -244,7 +244,6 @@ class Generation:
         self._flush_now = asyncio.Event()
         self._stopping = False
         self._write_lock = asyncio.Lock()
-        self.stop_reason: str | None = None
 
     def payload(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
         s = self.config.sampling

@@ -73,7 +73,6 @@ class JsonlAppender:
         self._fh = open(path, "ab")
         if not existed:
             fsync_dir(path.parent)
-        self.rows = 0
 
     def write_batch(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -82,7 +81,6 @@ class JsonlAppender:
         self._fh.write(data)
         self._fh.flush()
         os.fsync(self._fh.fileno())
-        self.rows += len(rows)
 
     def close(self) -> None:
         self._fh.close()

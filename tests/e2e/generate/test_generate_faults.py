@@ -140,7 +140,6 @@ def test_dead_server_stops_cleanly_and_a_rerun_completes_exactly_once(tmp_path, 
     kept = ids_of(out / "conversations.partial.jsonl")
     assert 0 < len(kept) <= 150 and len(set(kept)) == len(kept)
 
-    healthy = fake_server()
     record = tmp_path / "requests.jsonl"
     healthy = fake_server("--record", str(record))
     result = run_generate(prompts, out, healthy.url)
