@@ -46,13 +46,18 @@ def complete(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def load_latest(folder: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """``(state, meta)`` of the newest complete checkpoint, RNG states restored; None if there is none."""
+def latest_step(folder: Path) -> int:
+    """The step of the newest complete checkpoint; 0 if there is none."""
     found = complete(folder)
-    if not found:
+    return int(_NAME.match(found[-1].name).group(1)) if found else 0
+
+
+def load(folder: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(state, meta)`` of checkpoint ``step``, RNG states restored; None if it is not complete."""
+    path = folder / f"step-{step:08d}"
+    if not (path / COMPLETE).is_file():
         return None
-    latest = found[-1]
-    state = torch.load(latest / "state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return state, json.loads((latest / "meta.json").read_text())
+    return state, json.loads((path / "meta.json").read_text())

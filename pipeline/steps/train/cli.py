@@ -2,8 +2,9 @@
 
 With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-process;
 each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
-and evaluates. The manifest is written last, by the launching process, after every
-worker has exited cleanly.
+and evaluates. The manifest is written last, by the launching process of the node that
+ran rank 0, after every worker has exited cleanly. Several nodes must share the output
+folder: every rank resumes from the checkpoint rank 0 saved.
 
 Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
 2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
@@ -156,29 +157,40 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise SettingsError(f"--target {cfg.target} is not a Hugging Face model folder (no config.json)")
 
 
-def launch_workers(cfg: TrainConfig, resolved: Path) -> int:
-    """Run torchrun's launcher here, so a worker's exit code (2: bad input) is known, and the
-    launcher's own traceback is not printed for it."""
+def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
+    """Run torchrun's launcher here; returns (exit code, whether this node ran global rank 0).
+
+    In-process, a worker's exit code (2: bad input) is known and the launcher's own
+    traceback is not printed for it; torch's launch API also says which global ranks ran here.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
-    launch = [f"--nproc-per-node={cfg.nproc}"]
-    launch += ["--standalone"] if cfg.nnodes == 1 else [f"--nnodes={cfg.nnodes}"]
+    # One node: what --standalone means (torchrun's run() applies it, config_from_args does not).
+    rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"] if cfg.nnodes == 1 else []
+    args = parse_args(
+        [f"--nproc-per-node={cfg.nproc}", f"--nnodes={cfg.nnodes}", *rendezvous]
+        + ["-m", "pipeline.steps.train", str(resolved)]
+    )
+    if args.master_port is None:
+        args.master_port = 29500  # torchrun's default for a static rendezvous
+    config, entrypoint, entry_args = config_from_args(args)
     try:
-        run(parse_args([*launch, "-m", "pipeline.steps.train", str(resolved)]))
+        finished = elastic_launch(config, entrypoint)(*entry_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.exitcode == EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT  # the worker said why
+            return EXIT_BAD_INPUT, False  # the worker said why
         code = failure.exitcode
         how = f"died of signal {-code}" if code < 0 else f"exited with {code}"
         _say(f"worker rank {rank} {how}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
-        return EXIT_FAILED
+        return EXIT_FAILED, False
     except SignalException as exc:
         _say(f"stopped by signal {exc.sigval}; a rerun resumes from the last checkpoint")
-        return 128 + int(exc.sigval)
-    return 0
+        return 128 + int(exc.sigval), False
+    return 0, 0 in finished  # keyed by global rank
 
 
 def train_command(config_file: Path | None, **overrides) -> int:
@@ -196,9 +208,13 @@ def train_command(config_file: Path | None, **overrides) -> int:
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         resolved = cfg.out / RESOLVED
         atomic_write_text(resolved, cfg.model_dump_json(indent=2))
-        rc = launch_workers(cfg, resolved)
+        rc, ran_rank_0 = launch_workers(cfg, resolved)
         if rc != 0:
             return rc
+        if not ran_rank_0:
+            # Only global rank 0 exports and evaluates: its node vouches for the outputs.
+            _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
+            return 0
     else:
         try:
             worker(cfg)

@@ -187,6 +187,28 @@ def build(cfg: TrainConfig, device: torch.device):
     return target, source, draft.to(device), train_rows, heldout
 
 
+def resume(folder: Path, rank: int, world: int, device: torch.device) -> tuple[int, dict | None]:
+    """The step every rank resumes from, that of rank 0's newest checkpoint (0: none), and its state.
+
+    Only rank 0 saves checkpoints; a rank that took its own newest one could start from
+    another step, or from scratch, and the ranks would train apart.
+    """
+    step = ckpt.latest_step(folder)
+    if world > 1:
+        agreed = torch.tensor([step], device=device)
+        dist.broadcast(agreed, src=0)
+        step = int(agreed)
+    if not step:
+        return 0, None
+    loaded = ckpt.load(folder, step)
+    if loaded is None:
+        raise ValueError(
+            f"rank {rank} finds no checkpoint of step {step} in {folder}, which rank 0 resumes from: "
+            "the nodes must share the output folder"
+        )
+    return step, loaded[0]
+
+
 def _log(message: str) -> None:
     print(message, flush=True)  # the runner's log is a pipe: unflushed lines would arrive at exit
 
@@ -208,14 +230,11 @@ def train(cfg: TrainConfig, log=_log) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
     folder = cfg.out / "checkpoints" / run_key(cfg, world)
-    start = 0
-    resumed = ckpt.load_latest(folder)
-    if resumed is not None:
-        state, meta = resumed
+    start, state = resume(folder, rank, world, device)
+    if state is not None:
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        start = meta["step"]
         log(f"resumed from step {start} of {total}")
 
     module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.distributed.run
+import torch.distributed.launcher.api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from transformers import LlamaConfig
 
+from pipeline.run.manifest import read_manifest
 from pipeline.steps.train import cli
 from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
 from pipeline.steps.train.train import TrainConfig
@@ -96,17 +97,44 @@ def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
 def test_launcher_offers_a_resume_only_when_a_worker_did_not_refuse_its_input(
     tmp_path, monkeypatch, capsys, exitcode, rc, resume
 ):
-    def failing_run(args):
-        failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="<N/A>")
-        raise ChildFailedError("pipeline.steps.train", {0: failure})
+    def failing_launch(config, entrypoint):
+        def launch(*args):
+            failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="<N/A>")
+            raise ChildFailedError("pipeline.steps.train", {0: failure})
 
-    monkeypatch.setattr(torch.distributed.run, "run", failing_run)
+        return launch
+
+    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", failing_launch)
     cfg = TrainConfig(data=tmp_path, target=tmp_path, out=tmp_path, nproc=2)
-    assert cli.launch_workers(cfg, tmp_path / "train_config.json") == rc
+    assert cli.launch_workers(cfg, tmp_path / "train_config.json") == (rc, False)
     err = capsys.readouterr().err
     assert ("a rerun resumes from the last checkpoint" in err) == resume
     if exitcode == -9:
         assert "worker rank 0 died of signal 9" in err
+
+
+@pytest.mark.parametrize("ranks_here", [[0, 1], [2, 3]])
+def test_only_the_node_of_global_rank_0_writes_the_manifest(
+    tmp_path, inputs, monkeypatch, capsys, ranks_here
+):
+    step = tmp_path / "step"
+    monkeypatch.setenv("EYRIE_STEP_DIR", str(step))
+
+    def launch_here(config, entrypoint):
+        assert config.min_nodes == config.max_nodes == 2 and config.nproc_per_node == 2
+        if 0 in ranks_here:  # what global rank 0's worker leaves behind
+            (step / "draft").mkdir()
+            report = {"optimizer_steps": 4, "simulated": {}, "speculative_decoding": {}}
+            (step / "eval.json").write_text(json.dumps(report))
+        return lambda *args: dict.fromkeys(ranks_here)
+
+    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", launch_here)
+    assert cli.train_command(None, **inputs, nproc=2, nnodes=2) == 0
+    if 0 in ranks_here:
+        assert read_manifest(step).stats["optimizer_steps"] == 4
+    else:
+        assert read_manifest(step) is None
+        assert "the node of global rank 0 writes the draft and the manifest" in capsys.readouterr().err
 
 
 def test_resolved_settings_round_trip(tmp_path, inputs):
