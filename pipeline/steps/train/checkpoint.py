@@ -22,9 +22,13 @@ COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
+def _folder_of(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}"
+
+
 def save(folder: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
     """Write ``state`` (tensors, optimizer, scheduler) and ``meta`` (JSON) as checkpoint ``step``."""
-    final = folder / f"step-{step:08d}"
+    final = _folder_of(folder, step)
     with atomic_path(final) as tmp:
         tmp.mkdir()
         torch.save(
@@ -52,12 +56,12 @@ def latest_step(folder: Path) -> int:
     return int(_NAME.match(found[-1].name).group(1)) if found else 0
 
 
-def load(folder: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """``(state, meta)`` of checkpoint ``step``, RNG states restored; None if it is not complete."""
-    path = folder / f"step-{step:08d}"
+def load(folder: Path, step: int) -> dict[str, Any] | None:
+    """The state of checkpoint ``step``, RNG states restored; None if it is not complete."""
+    path = _folder_of(folder, step)
     if not (path / COMPLETE).is_file():
         return None
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return state, json.loads((path / "meta.json").read_text())
+    return state

@@ -200,13 +200,13 @@ def resume(folder: Path, rank: int, world: int, device: torch.device) -> tuple[i
         step = int(agreed)
     if not step:
         return 0, None
-    loaded = ckpt.load(folder, step)
-    if loaded is None:
+    state = ckpt.load(folder, step)
+    if state is None:
         raise ValueError(
             f"rank {rank} finds no checkpoint of step {step} in {folder}, which rank 0 resumes from: "
             "the nodes must share the output folder"
         )
-    return step, loaded[0]
+    return step, state
 
 
 def _log(message: str) -> None:
