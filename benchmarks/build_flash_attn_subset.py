@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.build.broker import BuildBroker
-from pipeline.build.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH
-from pipeline.build.profile import SHIPPED_PROFILES, Profile
-from pipeline.build.subset import (
+from pipeline.compile.broker import BuildBroker
+from pipeline.compile.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH
+from pipeline.compile.profile import SHIPPED_PROFILES, Profile
+from pipeline.compile.subset import (
     setup_ninja_variables,
     torch_header_shim,
     with_torch_headers_of,

@@ -4,7 +4,7 @@ The incident: 128 cores, 432 GB, flash-attn 2.8.3 for archs 100;120 with
 nvcc --threads 4, OOM-killed at MAX_JOBS 128, 64, 48, 32; passed at 20 in ~10 min.
 
 Inputs are the per-file profiles measured here (nvcc 13.0, sm_120 alone,
---threads 1; ``pipeline/build/profiles/``): anonymous peak, wall time and the
+--threads 1; ``pipeline/compile/profiles/``): anonymous peak, wall time and the
 memory shape over time. A file not measured takes the measurement of the same
 kind (fwd / fwd_split / bwd) with the nearest head dimension. Scaling to the
 incident's jobs (two archs, --threads 4), three models, all reported:
@@ -33,8 +33,8 @@ import math
 import re
 from pathlib import Path
 
-from pipeline.build.profile import SAFETY_MARGIN, SHIPPED_PROFILES, Profile, ProfileEntry
-from pipeline.build.simulate import SimJob, simulate_fixed, simulate_scheduler
+from pipeline.compile.profile import SAFETY_MARGIN, SHIPPED_PROFILES, Profile, ProfileEntry
+from pipeline.compile.simulate import SimJob, simulate_fixed, simulate_scheduler
 
 CORES = 128
 MEMORY = 432 * 10**9

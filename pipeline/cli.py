@@ -278,7 +278,7 @@ def build_flash_attn(
     ] = None,
 ) -> None:
     """Build a flash-attn wheel: nvcc jobs admitted by measured peak, each in its own cgroup."""
-    from pipeline.build.cli import flash_attn_command
+    from pipeline.compile.cli import flash_attn_command
 
     raise typer.Exit(
         flash_attn_command(

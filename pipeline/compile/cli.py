@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.build.flash_attn import (
+from pipeline.compile.flash_attn import (
     DEFAULT_JOB_PEAK_PER_ARCH,
     BuildError,
     Plan,

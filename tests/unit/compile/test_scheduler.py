@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.build.scheduler import RETRY_GROWTH, AdmissionScheduler, BudgetTooSmall, Job
+from pipeline.compile.scheduler import RETRY_GROWTH, AdmissionScheduler, BudgetTooSmall, Job
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.build.unconfined import UnconfinedExecutor
+from pipeline.compile.unconfined import UnconfinedExecutor
 from pipeline.run.executor import Launch
 from pipeline.run.verdict import Verdict, decide
 

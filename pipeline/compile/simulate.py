@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.build.scheduler import AdmissionScheduler, Job
+from pipeline.compile.scheduler import AdmissionScheduler, Job
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.broker import BuildBroker
-from pipeline.build.profile import JobKey, Profile, ProfileEntry
+from pipeline.compile.broker import BuildBroker
+from pipeline.compile.profile import JobKey, Profile, ProfileEntry
 from pipeline.memory import step_parent
 from pipeline.run.executor import Launch
 from pipeline.run.ledger import Ledger
@@ -142,7 +142,7 @@ def test_a_budget_below_one_job_fails_the_build_with_the_numbers(tmp_path: Path)
 
 def test_without_cgroups_jobs_run_as_processes_with_peaks_from_proc(tmp_path: Path, monkeypatch) -> None:
     """Inside `docker build` no cgroup can be created: admission still works, peaks come from /proc."""
-    import pipeline.build.broker as broker_module
+    import pipeline.compile.broker as broker_module
     from pipeline.memory import CgroupError
 
     def read_only_cgroups():

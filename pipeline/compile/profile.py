@@ -4,7 +4,7 @@ A compile job is keyed by what decides its memory: the source file, the set of
 GPU architectures one nvcc process compiles, ``--threads`` and the nvcc
 version. Profiles are JSON files of measured entries (peak anonymous memory,
 wall time, a coarse memory-over-time shape); the ones measured for flash-attn
-ship in ``pipeline/build/profiles/``.
+ship in ``pipeline/compile/profiles/``.
 
 Prediction order for a job:
 1. an entry with exactly its key;

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.flash_attn import (
+from pipeline.compile.flash_attn import (
     BuildError,
     Plan,
     Toolchain,
@@ -22,7 +22,7 @@ from pipeline.build.flash_attn import (
     source_version,
     toolchain,
 )
-from pipeline.build.profile import Profile, ProfileEntry
+from pipeline.compile.profile import Profile, ProfileEntry
 
 GiB = 2**30
 SETUP_PY = """
@@ -124,7 +124,7 @@ def test_build_env_keeps_flash_attns_limiter_out_and_sends_nvcc_to_the_broker(tm
 
 
 def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
-    from pipeline.build.flash_attn import resolve_budget
+    from pipeline.compile.flash_attn import resolve_budget
     from pipeline.memory import memory_budget
 
     budget, basis = resolve_budget("auto", GiB)
@@ -136,7 +136,7 @@ def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
 
 
 def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Path) -> None:
-    from pipeline.build.flash_attn import cxx_standard, write_cxx_shim
+    from pipeline.compile.flash_attn import cxx_standard, write_cxx_shim
 
     (tmp_path / "src").mkdir()
     src = tree(tmp_path / "src")
@@ -157,7 +157,7 @@ def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Pa
 
 
 def test_broker_raises_the_standard_of_nvcc_commands() -> None:
-    from pipeline.build.broker import with_standard
+    from pipeline.compile.broker import with_standard
 
     argv = ["-O3", "-std=c++17", "-c", "a.cu"]
     assert with_standard(argv, "c++20") == ["-O3", "-std=c++20", "-c", "a.cu"]

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pipeline.build.simulate import SimJob, simulate_fixed, simulate_scheduler
+from pipeline.compile.simulate import SimJob, simulate_fixed, simulate_scheduler
 
 GB = 10**9
 

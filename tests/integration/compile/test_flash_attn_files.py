@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from eyrie_testing import REPO
-from pipeline.build.broker import BuildBroker
-from pipeline.build.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH, fetch_sdist
-from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile
-from pipeline.build.subset import (
+from pipeline.compile.broker import BuildBroker
+from pipeline.compile.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH, fetch_sdist
+from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile
+from pipeline.compile.subset import (
     setup_ninja_variables,
     torch_header_shim,
     with_torch_headers_of,

@@ -32,9 +32,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.build.profile import JobKey, Profile, parse_nvcc_argv
-from pipeline.build.scheduler import AdmissionScheduler, BudgetTooSmall, Job
-from pipeline.build.unconfined import UnconfinedExecutor
+from pipeline.compile.profile import JobKey, Profile, parse_nvcc_argv
+from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job
+from pipeline.compile.unconfined import UnconfinedExecutor
 from pipeline.memory import Cgroup, CgroupError, CgroupV2, read_meminfo, step_parent
 from pipeline.run.executor import Launch, Outcome
 from pipeline.run.ledger import Ledger

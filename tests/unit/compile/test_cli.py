@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import pipeline.build.cli as build_cli
-from pipeline.build.flash_attn import Toolchain
+import pipeline.compile.cli as build_cli
+from pipeline.compile.flash_attn import Toolchain
 from pipeline.cli import app
 
 

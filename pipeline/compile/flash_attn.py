@@ -24,8 +24,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.build.broker import BuildBroker, BuildReport
-from pipeline.build.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
+from pipeline.compile.broker import BuildBroker, BuildReport
+from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
 from pipeline.memory import memory_budget, parse_size
 from pipeline.run.manifest import atomic_path
 
