@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 import pipeline.compile.cli as build_cli
-from pipeline.compile.flash_attn import Toolchain
 from pipeline.cli import app
+from pipeline.compile.flash_attn import Toolchain
 
 
 def flash_attn_tree(root: Path) -> Path:

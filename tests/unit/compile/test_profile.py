@@ -6,7 +6,14 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileEntry, parse_nvcc_argv, shape_of
+from pipeline.compile.profile import (
+    SHIPPED_PROFILES,
+    JobKey,
+    Profile,
+    ProfileEntry,
+    parse_nvcc_argv,
+    shape_of,
+)
 
 GiB = 2**30
 
