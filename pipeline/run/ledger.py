@@ -7,7 +7,6 @@ several finishing steps are serialised by one lock around one connection.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import sqlite3
@@ -292,18 +291,25 @@ class Ledger:
             (run_id, sample.t, sample.mem_total, sample.mem_available, sample.available),
         )
 
-    def host_samples(
-        self, run_id: str, since: float | None = None, until: float | None = None
-    ) -> list[HostSample]:
+    def host_samples(self, run_id: str) -> list[HostSample]:
         """The host's memory during a run, oldest first; none in a ledger written before it was sampled."""
         if not self._has_table("host_samples"):
             return []
         rows = self._db.execute(
-            "SELECT t, mem_total, mem_available, available FROM host_samples"
-            " WHERE run_id = ? AND t >= ? AND t <= ? ORDER BY t",
-            (run_id, -math.inf if since is None else since, math.inf if until is None else until),
+            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ? ORDER BY t",
+            (run_id,),
         ).fetchall()
         return [HostSample(*r) for r in rows]
+
+    def last_host_sample(self, run_id: str) -> HostSample | None:
+        if not self._has_table("host_samples"):
+            return None
+        row = self._db.execute(
+            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ?"
+            " ORDER BY t DESC LIMIT 1",
+            (run_id,),
+        ).fetchone()
+        return HostSample(*row) if row else None
 
     def _has_table(self, name: str) -> bool:
         query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
