@@ -82,7 +82,7 @@ def report(
         Path | None, typer.Option(help="Where to write the HTML (default RUN_DIR/report.html).")
     ] = None,
 ) -> None:
-    """Write an HTML report: every attempt, its memory timeline, limit and OOM kills."""
+    """Write an HTML report: the run chart (host, steps, budget, Gantt), every attempt and its timeline."""
     from pipeline.report.html import report_command
 
     raise typer.Exit(report_command(run_dir, RUNS, out))
