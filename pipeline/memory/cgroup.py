@@ -320,8 +320,11 @@ def cgroup_of(pid: int | str = "self", proc: Path = Path("/proc"), root: Path = 
 
 def cgroup_at(path: str | Path) -> Cgroup | None:
     """The cgroup whose directory is ``path`` (as a ledger records it), read on its own: its
-    ancestors are not known. None when the directory is gone or is no memory cgroup."""
+    ancestors are not known. None when the directory is gone or is no memory cgroup (a container
+    id, say)."""
     path = Path(path)
+    if not path.is_absolute():
+        return None
     if (path / "memory.current").is_file():
         return CgroupV2(path)
     if (path / "memory.usage_in_bytes").is_file():

@@ -1,4 +1,4 @@
-"""``eyrie status --follow``: a run as it goes, from the ledger and the steps' cgroups alone.
+"""``eyrie status --follow``: a run as it goes, from the ledger, the steps' cgroups and their logs.
 
 Nothing here talks to the runner, so it works from any shell that can read the
 run directory and, for memory in use, the steps' cgroups: each step's state,
@@ -128,9 +128,12 @@ def _last_line(*logs: Path) -> str | None:
     """The last meaningful line of whichever log was written last."""
     written = [(p.stat().st_mtime, p) for p in logs if p.is_file()]
     for _, path in sorted(written, reverse=True):
-        with open(path, "rb") as fh:
-            fh.seek(max(0, path.stat().st_size - TAIL_BYTES))
-            lines = fh.read().decode("utf-8", errors="replace").splitlines()
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, path.stat().st_size - TAIL_BYTES))
+                lines = fh.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            continue  # removed meanwhile
         text = next((t for line in reversed(lines) if (t := meaningful(line))), None)
         if text:
             return text

@@ -89,7 +89,7 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
         legend: list[Legend] = [Legend(colors[s], s, "area") for s in colors]
     else:  # a build's hundreds of compile jobs: their names are on the Gantt rows
         legend = [
-            Legend(STEP_PALETTE[0], f"each of {len(colors)} jobs in a colour of its own, in turn", "area")
+            Legend(STEP_PALETTE[0], f"{len(colors)} jobs, coloured in turn (named on their rows)", "area")
         ]
     body: list[str] = [
         x_axis(x, span, box[0], box[1], labels_at=gantt_box[1] + 16 if box == gantt_box else None)
