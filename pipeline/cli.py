@@ -23,7 +23,14 @@ RunDir = Annotated[
     Path,
     typer.Option("--run-dir", "-d", help="Run directory holding step outputs and the ledger."),
 ]
-DEFAULT_RUN_DIR = Path("runs/default")
+ReadRunDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--run-dir", "-d", help="Run directory holding the ledger (default: the latest run under runs/)."
+    ),
+]
+RUNS = Path("runs")
+DEFAULT_RUN_DIR = RUNS / "default"
 
 
 @app.command()
@@ -42,38 +49,43 @@ def run(
 
 @app.command()
 def status(
-    run_dir: RunDir = DEFAULT_RUN_DIR,
-    json_output: Annotated[bool, typer.Option("--json", help="Print attempts as JSON.")] = False,
+    run_dir: ReadRunDir = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print attempts as JSON (with --follow: one view a line).")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Watch the latest run live until it ends; exit as it did.")
+    ] = False,
 ) -> None:
     """Show every attempt of every step: verdict, exit, peak/limit, OOM kills, duration."""
     from pipeline.report.status import status_command
 
-    raise typer.Exit(status_command(run_dir, json_output))
+    raise typer.Exit(status_command(run_dir, RUNS, json_output, follow))
 
 
 @app.command()
 def explain(
     step: Annotated[str, typer.Argument(help="Step name.")],
-    run_dir: RunDir = DEFAULT_RUN_DIR,
+    run_dir: ReadRunDir = None,
     attempt: Annotated[int | None, typer.Option(help="Attempt number (default: last).")] = None,
 ) -> None:
     """Say in plain words why a step's attempt ended as it did, with the evidence."""
     from pipeline.report.status import explain_command
 
-    raise typer.Exit(explain_command(run_dir, step, attempt))
+    raise typer.Exit(explain_command(run_dir, RUNS, step, attempt))
 
 
 @app.command()
 def report(
-    run_dir: RunDir = DEFAULT_RUN_DIR,
+    run_dir: ReadRunDir = None,
     out: Annotated[
         Path | None, typer.Option(help="Where to write the HTML (default RUN_DIR/report.html).")
     ] = None,
 ) -> None:
-    """Write an HTML report: every attempt, its memory timeline, limit and OOM kills."""
+    """Write an HTML report: the run chart (host, steps, budget, Gantt), every attempt and its timeline."""
     from pipeline.report.html import report_command
 
-    raise typer.Exit(report_command(run_dir, out))
+    raise typer.Exit(report_command(run_dir, RUNS, out))
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""Helpers shared by the test suites: where the repository is, and the real `eyrie` command line.
+"""Helpers shared by the test suites: where the repository is, the real `eyrie` command line, and
+the report as a real browser draws it.
 
 A module of its own (not conftest.py) so that every test imports the same one,
 whatever other conftest.py files pytest has loaded.
@@ -7,9 +8,16 @@ whatever other conftest.py files pytest has loaded.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.report.chart import AVAILABLE_COLOR, BUDGET_COLOR, GRID_COLOR, OTHER_COLOR
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO / "tests" / "scenarios" / "scenarios.yaml"
@@ -30,3 +38,88 @@ def eyrie(*args: str, check: bool = False, timeout: float = 300) -> subprocess.C
 
 def attempts_json(run_dir: Path) -> list[dict]:
     return json.loads(eyrie("status", "--run-dir", str(run_dir), "--json", check=True).stdout)
+
+
+# -- the report, in a real browser --------------------------------------------------------------
+CHROMIUM = shutil.which("chromium")
+_HEADLESS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--force-device-scale-factor=1", "--force-color-profile=srgb", "--hide-scrollbars",
+]  # fmt: skip
+
+
+def screenshot(page: Path, png: Path, height: int = 1400) -> Path:
+    """A PNG of ``page`` as Debian's chromium draws it, 1150 px wide (the report's width and margins)."""
+    if CHROMIUM is None:
+        pytest.skip(
+            "chromium is not installed (apt-get install chromium): the report is checked in a real browser"
+        )
+    profile = png.with_name(png.stem + "-profile")
+    profile.mkdir()  # a new, empty profile for every run
+    subprocess.run(
+        [CHROMIUM, *_HEADLESS, f"--user-data-dir={profile}", f"--window-size=1150,{height}",
+         f"--screenshot={png}", page.resolve().as_uri()],
+        capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    return png
+
+
+def _rgb(color: str) -> tuple[int, int, int]:
+    return int(color[1:3], 16), int(color[3:5], 16), int(color[5:7], 16)
+
+
+def chart_pixels(png: Path, page: str, colors: dict[str, str]) -> dict[str, int]:
+    """How many pixels of each colour the first run chart of a report's screenshot holds.
+
+    Only the chart's own box counts (the legend and the page around it are left out), so a
+    series counts only if the chart draws it. The box is found from the chart's markup (its
+    size, its topmost grid line) and the screenshot (where that grid line was drawn).
+    """
+    svg = re.search(r'<svg class="run-chart"[^>]* width="(\d+)" height="(\d+)".*?</svg>', page, re.S)
+    assert svg, "the report has no run chart"
+    width, height = int(svg.group(1)), int(svg.group(2))
+    grid_lines = re.findall(
+        rf'<line x1="(\d+)" x2="\d+" y1="(\d+)\.5" y2="\d+\.5" stroke="{GRID_COLOR}"', svg.group(0)
+    )
+    assert grid_lines, "the run chart has no axis ticks"
+    grid_left, grid_top = min(int(x) for x, _ in grid_lines), min(int(y) for _, y in grid_lines)
+    image = Image.open(png).convert("RGB")
+    pixels, grid = image.load(), _rgb(GRID_COLOR)
+    row = next(
+        (y for y in range(image.height) if sum(pixels[x, y] == grid for x in range(image.width)) >= 100), None
+    )
+    assert row is not None, f"{png}: no grid line drawn: the chart is not there"
+    left = next(x for x in range(image.width) if pixels[x, row] == grid) - grid_left
+    top = row - grid_top
+    histogram = image.crop((left, top, left + width, top + height)).getcolors(maxcolors=1 << 24)
+    counts = {}
+    for name, color in colors.items():
+        wr, wg, wb = _rgb(color)
+        counts[name] = sum(n for n, (r, g, b) in histogram if max(abs(r - wr), abs(g - wg), abs(b - wb)) <= 6)
+    return counts
+
+
+def step_colors_of(page: str) -> dict[str, str]:
+    """The colour the report's first legend gives each step (the steps come first in it)."""
+    legend = page[page.index("<ul class='legend'>") :]
+    legend = legend[: legend.index("</ul>")]
+    return dict(
+        (name, color) for color, name in re.findall(r"background:(#[0-9a-f]{6})'></i>([^<]+)</li>", legend)
+    )
+
+
+def check_run_chart(page: str, png: Path, steps: list[str]) -> None:
+    """Fails unless the first run chart of ``page``, as ``png`` shows it, draws every series."""
+    colors = step_colors_of(page)
+    assert set(steps) <= set(colors), f"the legend names no colour for {set(steps) - set(colors)}"
+    assert len({colors[s] for s in steps}) == len(steps), "two steps share a colour"
+    series = {
+        **{f"step {s}": colors[s] for s in steps},
+        "host memory in use beside the steps": OTHER_COLOR,
+        "MemAvailable": AVAILABLE_COLOR,
+        "the budget": BUDGET_COLOR,
+    }
+    drawn = chart_pixels(png, page, series)
+    missing = {name: n for name, n in drawn.items() if n < 300}
+    assert not missing, f"series not drawn (pixels seen: {missing}); all: {drawn}"

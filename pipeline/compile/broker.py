@@ -37,6 +37,7 @@ from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job
 from pipeline.compile.unconfined import UnconfinedExecutor
 from pipeline.memory import Cgroup, CgroupError, CgroupV2, read_meminfo, step_parent
 from pipeline.run.executor import Launch, Outcome
+from pipeline.run.host_sampler import HostSampler
 from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
 from pipeline.run.verdict import Verdict, decide
@@ -117,6 +118,7 @@ class BuildBroker:
                 "run as plain processes, peaks read from /proc"
             )
         self.ledger.start_run(self.run_id, "eyrie build", self.executor.name, [], self.budget, "build budget")
+        self.host = HostSampler(self.ledger, self.run_id).start()
         broker = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -140,6 +142,7 @@ class BuildBroker:
             self._server.shutdown()
             self._server.server_close()
         failed = exc[0] is not None or self.fatal is not None or bool(self.report().failed)
+        self.host.stop()
         self.ledger.end_run(self.run_id, "failed" if failed else "succeeded")
         self.ledger.close()
         if self.cgroup is not None:

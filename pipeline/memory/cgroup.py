@@ -318,6 +318,20 @@ def cgroup_of(pid: int | str = "self", proc: Path = Path("/proc"), root: Path = 
     raise CgroupError(f"{proc / str(pid) / 'cgroup'} names no memory cgroup")
 
 
+def cgroup_at(path: str | Path) -> Cgroup | None:
+    """The cgroup whose directory is ``path`` (as a ledger records it), read on its own: its
+    ancestors are not known. None when the directory is gone or is no memory cgroup (a container
+    id, say)."""
+    path = Path(path)
+    if not path.is_absolute():
+        return None
+    if (path / "memory.current").is_file():
+        return CgroupV2(path)
+    if (path / "memory.usage_in_bytes").is_file():
+        return CgroupV1(path)
+    return None
+
+
 def current_cgroup(proc: Path = Path("/proc"), root: Path = Path("/")) -> Cgroup:
     return cgroup_of("self", proc, root)
 

@@ -1,29 +1,40 @@
-"""``eyrie report``: one self-contained HTML file — the attempts table and each attempt's memory timeline.
+"""``eyrie report``: one self-contained HTML file — each run's chart, the attempts, their timelines.
 
 No scripts, no external assets: it opens from disk, attaches to a ticket, and
-prints. Each timeline is an inline SVG: total memory (page cache included),
-anonymous memory, the limit, and the moment an OOM kill was counted.
+prints. Each run gets the run chart (``run_chart``: the host, the steps against
+their limits and the budget, a Gantt bar per attempt); each attempt its own
+timeline — total memory (page cache included), anonymous memory, the limit,
+the moment an OOM kill was counted — and its explanation.
 """
 
 from __future__ import annotations
 
-import html
 import sqlite3
 import time
 from pathlib import Path
 
 from pipeline.memory import format_duration, format_size
-from pipeline.report.status import HEADLINE, exit_text, explain, unreadable
-from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
+from pipeline.report.chart import (
+    FAILED_COLOR,
+    OOM_COLOR,
+    RUNNING_COLOR,
+    STEP_PALETTE,
+    Scale,
+    byte_label,
+    byte_ticks,
+    esc,
+    step_path,
+    time_unit,
+    verdict_color,
+    x_axis,
+    y_axis,
+)
+from pipeline.report.neighbours import neighbours
+from pipeline.report.run_chart import Legend, run_chart
+from pipeline.report.status import HEADLINE, exit_text, explain, open_ledger, resolve_run_dir, unreadable
+from pipeline.report.timeline import clock, run_timeline
+from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.manifest import atomic_write_text
-
-_W, _H, _PAD = 640, 160, 36
-_COLORS = {
-    "succeeded": "#1a7f37",
-    "completed_then_crashed": "#9a6700",
-    "timed_out": "#8250df",
-    "cancelled": "#9a6700",
-}
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }
@@ -32,54 +43,92 @@ table { border-collapse: collapse; width: 100%; }
 th, td { padding: 4px 8px; border-bottom: 1px solid #d0d7de; text-align: right; white-space: nowrap; }
 th:first-child, td:first-child, td.verdict { text-align: left; }
 .verdict { font-weight: 600; } .muted { color: #656d76; }
-pre { background: #f6f8fa; padding: 8px; overflow-x: auto; }
-svg text { font: 11px system-ui, sans-serif; fill: #656d76; }
+pre { background: #f6f8fa; padding: 8px; overflow-x: auto; white-space: pre-wrap; }
+svg text { font: 11px system-ui, sans-serif; fill: #57606a; }
+ul.legend { list-style: none; padding: 0; margin: 4px 0 0; display: flex; flex-wrap: wrap; gap: 4px 16px; }
+ul.legend li { display: flex; align-items: center; gap: 6px; font-size: 12px; color: #57606a; }
+ul.legend i { display: inline-block; width: 18px; height: 10px; }
 """
 
+# A legend swatch per kind of mark: areas filled, lines as a bar, dashed lines dashed, bands outlined.
+_SWATCH = {
+    "area": "background:{c}",
+    "line": "height:3px;background:{c}",
+    "dashed": "height:0;border-top:2px dashed {c}",
+    "band": "border:1px solid {c};background:transparent",
+    "mark": "width:3px;height:14px;background:{c}",
+}
+_ATTEMPT_W, _ATTEMPT_H, _ATTEMPT_LEFT, _ATTEMPT_RIGHT = 720, 180, 70, 16
 
-def _color(verdict: str | None) -> str:
-    return _COLORS.get(verdict or "", "#cf222e" if verdict else "#0969da")
+
+def _legend(items: list[Legend]) -> str:
+    entries = "".join(
+        f"<li><i style='{_SWATCH[item.kind].format(c=item.color)}'></i>{esc(item.label)}</li>"
+        for item in items
+    )
+    return f"<ul class='legend'>{entries}</ul>"
 
 
 def timeline_svg(row: AttemptRow, points: list[tuple[float, int, int]]) -> str:
-    """An SVG chart of one attempt's memory over time, with its limit and OOM kill."""
+    """One attempt's memory over time: total and anonymous memory, its limit and its OOM kill."""
     if not points:
         return '<p class="muted">no timeline samples (the attempt ended within its first second)</p>'
     span = max(points[-1][0], row.wall_s or 0, 1e-3)
-    top = max(row.limit_bytes, max(p[1] for p in points), 1)
-
-    def x(t: float) -> float:
-        return _PAD + (_W - 2 * _PAD) * t / span
-
-    def y(v: int) -> float:
-        return _H - _PAD / 2 - (_H - _PAD) * v / top
-
-    def path(index: int) -> str:
-        return " ".join(f"{x(p[0]):.1f},{y(p[index]):.1f}" for p in [(0.0, 0, 0), *points])
-
+    ticks = byte_ticks(max(row.limit_bytes, max(p[1] for p in points), 1))
+    top, bottom = 12, _ATTEMPT_H - 30
+    x = Scale(0, span, _ATTEMPT_LEFT, _ATTEMPT_W - _ATTEMPT_RIGHT)
+    y = Scale(0, ticks[-1], bottom, top)
+    xs = [x(0.0), *(x(p[0]) for p in points)]
+    # Each point is the highest of the window that ends at it: drawn as a step over that window.
+    xs = [xs[0], *(max(a, b) for a, b in zip(xs[1:], xs[:-1], strict=True))]
+    totals, anons = [y(p[1]) for p in points], [y(p[2]) for p in points]
+    limit_y = y(row.limit_bytes)
     parts = [
-        f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
-        f'aria-label="memory of {html.escape(row.step)} attempt {row.attempt}">',
-        f'<line x1="{_PAD}" x2="{_W - _PAD}" y1="{y(row.limit_bytes):.1f}" y2="{y(row.limit_bytes):.1f}" '
-        'stroke="#cf222e" stroke-dasharray="4 3"/>',
-        f'<text x="{_W - _PAD + 2}" y="{y(row.limit_bytes) + 4:.1f}">limit</text>',
-        f'<polyline fill="none" stroke="#0969da" stroke-width="1.5" points="{path(1)}"/>',
-        f'<polyline fill="none" stroke="#8250df" stroke-width="1.5" stroke-dasharray="2 2" '
-        f'points="{path(2)}"/>',
-        f'<text x="{_PAD}" y="12">{html.escape(format_size(top))}</text>',
-        f'<text x="{_PAD}" y="{_H - 4}">0 s</text>',
-        f'<text x="{_W - _PAD - 30}" y="{_H - 4}">{span:.1f} s</text>',
-        f'<text x="{_PAD + 60}" y="12" style="fill:#0969da">— total</text>',
-        f'<text x="{_PAD + 110}" y="12" style="fill:#8250df">··· anonymous</text>',
+        f'<svg viewBox="0 0 {_ATTEMPT_W} {_ATTEMPT_H}" width="{_ATTEMPT_W}" height="{_ATTEMPT_H}" role="img" '
+        f'aria-label="memory of {esc(row.step)} attempt {row.attempt}">',
+        y_axis(y, ticks, _ATTEMPT_LEFT, _ATTEMPT_W - _ATTEMPT_RIGHT),
+        x_axis(x, span, top, bottom, labels_at=bottom + 14),
+        f'<path d="{step_path(xs, totals)}" fill="none" stroke="{RUNNING_COLOR}" stroke-width="2"/>',
+        f'<path d="{step_path(xs, anons)}" fill="none" stroke="{STEP_PALETTE[4]}" stroke-width="2" '
+        'stroke-dasharray="3 2"/>',
+        f'<line x1="{_ATTEMPT_LEFT}" x2="{_ATTEMPT_W - _ATTEMPT_RIGHT}" y1="{limit_y}" y2="{limit_y}" '
+        f'stroke="{FAILED_COLOR}" stroke-width="2" stroke-dasharray="6 3"/>',
+        f'<text x="{_ATTEMPT_LEFT + 4}" y="{limit_y - 4}" style="fill:{FAILED_COLOR}">'
+        f"limit {esc(byte_label(row.limit_bytes))}</text>",
+        f'<text x="{_ATTEMPT_W - _ATTEMPT_RIGHT}" y="{bottom + 28}" text-anchor="end">elapsed '
+        f"({time_unit(span)}) since {clock(row.started_at)}</text>",
+    ]
+    legend = [
+        Legend(RUNNING_COLOR, "memory charged to its cgroup (page cache included)", "line"),
+        Legend(STEP_PALETTE[4], "anonymous memory", "dashed"),
+        Legend(FAILED_COLOR, "its limit", "dashed"),
     ]
     if row.oom_at is not None:
-        t = min(max(row.oom_at - row.started_at, 0.0), span)
+        px = x(min(max(row.oom_at - row.started_at, 0.0), span))
         parts.append(
-            f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{_PAD / 2}" y2="{_H - _PAD / 2}" stroke="#cf222e"/>'
-            f'<text x="{x(t) + 3:.1f}" y="{_PAD / 2 + 10}" style="fill:#cf222e">OOM kill</text>'
+            f'<line x1="{px}" x2="{px}" y1="{top}" y2="{bottom}" stroke="{OOM_COLOR}" stroke-width="2"/>'
+            f'<text x="{px + 4}" y="{top + 10}" style="fill:{OOM_COLOR}">OOM kill</text>'
         )
+        legend.append(Legend(OOM_COLOR, "OOM kill counted", "mark"))
     parts.append("</svg>")
-    return "".join(parts)
+    return "".join(parts) + _legend(legend)
+
+
+def _run_section(ledger: Ledger, run: dict) -> str:
+    timeline = run_timeline(ledger, run)
+    head = (
+        f"<h2 id='run-{esc(run['run_id'])}'>Run {esc(run['run_id'])}: "
+        f"<span style='color:{verdict_color(None if run['state'] == 'running' else run['state'])}'>"
+        f"{esc(run['state'])}</span></h2>"
+        f"<p class='muted'>{esc(run['pipeline'])} · {esc(run['executor'])} executor on {esc(run['host'])} · "
+        f"budget {esc(format_size(run['budget_bytes']))} (set by {esc(run['budget_binding'] or '-')})</p>"
+    )
+    if not timeline.tracks:
+        return head + "<p class='muted'>no attempts: every step was skipped or none could start</p>"
+    svg, legend = run_chart(timeline)
+    verdicts = sorted({t.row.verdict or "running" for t in timeline.tracks})
+    legend += [Legend(verdict_color(v if v != "running" else None), v, "area") for v in verdicts]
+    return head + svg + _legend(legend)
 
 
 def render(ledger: Ledger, run_dir: Path) -> str:
@@ -91,49 +140,50 @@ def render(ledger: Ledger, run_dir: Path) -> str:
         verdict = row.verdict or "running"
         rows.append(
             "<tr>"
-            f"<td><a href='#{html.escape(row.step)}-{row.attempt}'>{html.escape(row.step)}</a></td>"
+            f"<td><a href='#{esc(row.step)}-{row.attempt}'>{esc(row.step)}</a></td>"
             f"<td>{row.attempt}</td>"
-            f"<td class='verdict' style='color:{_color(row.verdict)}'>{html.escape(verdict)}</td>"
-            f"<td>{html.escape(exit_text(row))}</td>"
+            f"<td class='verdict' style='color:{verdict_color(row.verdict)}'>{esc(verdict)}</td>"
+            f"<td>{esc(exit_text(row))}</td>"
             f"<td>{format_size(row.peak_bytes)} / {format_size(row.limit_bytes)}</td>"
             f"<td>{'-' if row.oom_kills is None else row.oom_kills}</td>"
             f"<td>{format_duration(row.wall_s)}</td>"
             f"<td>{'-' if row.records is None else f'{row.records:,}'}</td>"
             "</tr>"
         )
+    # Newest run first: it is the one a reader opens the report for.
+    runs = "".join(_run_section(ledger, run) for run in reversed(ledger.runs()))
     sections = []
     for row in attempts:
-        why = "".join(f"{html.escape(line)}\n" for line in explain(row, run_dir))
+        why = "".join(f"{esc(line)}\n" for line in explain(row, run_dir) + neighbours(ledger, row))
         sections.append(
-            f"<h2 id='{html.escape(row.step)}-{row.attempt}'>{html.escape(row.step)} attempt {row.attempt}: "
-            f"<span style='color:{_color(row.verdict)}'>"
-            f"{html.escape(HEADLINE.get(row.verdict or '', 'Running'))}</span></h2>"
+            f"<h2 id='{esc(row.step)}-{row.attempt}'>{esc(row.step)} attempt {row.attempt}: "
+            f"<span style='color:{verdict_color(row.verdict)}'>"
+            f"{esc(HEADLINE.get(row.verdict or '', 'Running'))}</span></h2>"
             f"{timeline_svg(row, ledger.timeline(row.id))}<pre>{why}</pre>"
         )
-    pipeline = html.escape(latest["pipeline"]) if latest else ""
+    pipeline = esc(latest["pipeline"]) if latest else ""
     generated = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
-        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"<p class='muted'>{pipeline} · ledger {html.escape(str(ledger.path))} · generated {generated}</p>"
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{esc(title)}</h1>"
+        f"<p class='muted'>{pipeline} · ledger {esc(ledger.path)} · generated {generated}</p>"
+        f"{runs}<h2>Attempts</h2>"
         "<table><tr><th>step</th><th>attempt</th><th>verdict</th><th>exit</th><th>peak / limit</th>"
         f"<th>OOM kills</th><th>duration</th><th>records</th></tr>{''.join(rows)}</table>"
         f"{''.join(sections)}</body></html>"
     )
 
 
-def report_command(run_dir: Path, out: Path | None) -> int:
+def report_command(run_dir: Path | None, runs: Path, out: Path | None) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     err = Console(stderr=True)
-    try:
-        ledger = Ledger(run_dir, create=False)
-    except FileNotFoundError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    run_dir = resolve_run_dir(run_dir, runs, err)
+    if run_dir is None:
         return 2
-    except sqlite3.Error as exc:
-        return unreadable(run_dir / LEDGER_NAME, exc, err)
+    ledger = open_ledger(run_dir, err)
+    if ledger is None:
+        return 2
     try:
         page = render(ledger, run_dir)
     except sqlite3.Error as exc:

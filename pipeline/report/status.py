@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal as signals
 import sqlite3
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -13,7 +12,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.memory import format_duration, format_size
+from pipeline.report.neighbours import neighbours
+from pipeline.report.timeline import clock
+from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
+from pipeline.run.verdict import meaningful
 
 VERDICT_STYLE = {
     "succeeded": "green",
@@ -40,7 +43,8 @@ HEADLINE = {
 }
 
 
-def _open(run_dir: Path, err: Console) -> Ledger | None:
+def open_ledger(run_dir: Path, err: Console) -> Ledger | None:
+    """The ledger of ``run_dir``, read only; None, said in one line on ``err``, when it cannot be read."""
     try:
         return Ledger(run_dir, create=False)
     except FileNotFoundError as exc:
@@ -48,6 +52,39 @@ def _open(run_dir: Path, err: Console) -> Ledger | None:
     except sqlite3.Error as exc:
         unreadable(Path(run_dir) / LEDGER_NAME, exc, err)
     return None
+
+
+def resolve_run_dir(run_dir: Path | None, runs: Path, err: Console) -> Path | None:
+    """``run_dir`` when given; else the folder under ``runs`` whose ledger's latest run started last,
+    named on ``err``. None, said in one line, when there is none."""
+    if run_dir is not None:
+        return run_dir
+    newest: tuple[float, Path] | None = None
+    for path in sorted(runs.glob(f"*/{LEDGER_NAME}")):
+        try:
+            ledger = Ledger(path.parent, create=False)
+            try:
+                latest = ledger.latest_run()
+            finally:
+                ledger.close()
+        except sqlite3.Error:
+            continue  # not a ledger this can read: the others may still be
+        if latest and (newest is None or latest["started_at"] > newest[0]):
+            newest = (latest["started_at"], path.parent)
+    if newest is None:
+        err.print(
+            f"[red]error:[/] no run under {escape(str(runs))}/: run a pipeline first (`eyrie run FILE`), "
+            "or pass --run-dir",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return None
+    err.print(
+        f"eyrie: the most recent run is in {escape(str(newest[1]))} (pass --run-dir for another)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return newest[1]
 
 
 def unreadable(path: Path, exc: sqlite3.Error, err: Console) -> int:
@@ -70,19 +107,22 @@ def exit_text(row: AttemptRow) -> str:
     return "-" if row.exit_code is None else str(row.exit_code)
 
 
-def _clock(ts: float | None) -> str:
-    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
-
-
 def wide_console() -> Console:
     """A console that does not squeeze tables to 80 columns when output is piped or logged."""
     console = Console()
     return console if console.is_terminal else Console(width=160)
 
 
-def status_command(run_dir: Path, json_output: bool) -> int:
+def status_command(run_dir: Path | None, runs: Path, json_output: bool, follow: bool) -> int:
     console, err = wide_console(), Console(stderr=True)
-    ledger = _open(run_dir, err)
+    run_dir = resolve_run_dir(run_dir, runs, err)
+    if run_dir is None:
+        return 2
+    if follow:
+        from pipeline.report.follow import follow_command
+
+        return follow_command(run_dir, json_output)
+    ledger = open_ledger(run_dir, err)
     if ledger is None:
         return 2
     try:
@@ -123,7 +163,7 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
             "-" if row.oom_kills is None else str(row.oom_kills),
             format_duration(row.wall_s),
             "-" if row.records is None else f"{row.records:,}",
-            _clock(row.started_at),
+            clock(row.started_at),
         )
     if latest:
         states = ledger.step_states(latest["run_id"])
@@ -149,7 +189,7 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
     if row.oom_kills:
         lines.append(
             f"oom_kill went {row.oom_kills_before}→{row.oom_kills_after} in the step's cgroup"
-            + (f" at {_clock(row.oom_at)}" if row.oom_at else "")
+            + (f" at {clock(row.oom_at)}" if row.oom_at else "")
             + "."
         )
     peak = f"peak {format_size(row.peak_bytes)} of {format_size(row.limit_bytes)} limit"
@@ -159,22 +199,25 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
     if row.limit_reason:
         lines.append(f"Its limit was set so because: {row.limit_reason}.")
     lines.append(
-        f"Ran {format_duration(row.wall_s)} from {_clock(row.started_at)} to {_clock(row.ended_at)}, "
+        f"Ran {format_duration(row.wall_s)} from {clock(row.started_at)} to {clock(row.ended_at)}, "
         f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}; host had "
         f"{format_size(row.host_mem_available)} available of {format_size(row.host_mem_total)} at start."
     )
-    tail = [t for t in json.loads(row.stderr_tail or "[]") if t.strip()][-5:]
+    tail = [t for t in json.loads(row.stderr_tail or "[]") if meaningful(t)][-5:]
     if tail and verdict != "succeeded":
         lines.append("Last lines of stderr:")
         lines.extend(f"    {t}" for t in tail)
-    logs = Path(run_dir) / ".eyrie" / "logs" / row.step
-    lines.append(f"Logs: {logs}/attempt-{row.attempt}.stdout.log and .stderr.log")
+    stdout_log, stderr_log = attempt_logs(run_dir, row.step, row.attempt)
+    lines.append(f"Logs: {stdout_log} and {stderr_log.name}")
     return lines
 
 
-def explain_command(run_dir: Path, step: str, attempt: int | None) -> int:
+def explain_command(run_dir: Path | None, runs: Path, step: str, attempt: int | None) -> int:
     console, err = wide_console(), Console(stderr=True)
-    ledger = _open(run_dir, err)
+    run_dir = resolve_run_dir(run_dir, runs, err)
+    if run_dir is None:
+        return 2
+    ledger = open_ledger(run_dir, err)
     if ledger is None:
         return 2
     try:
@@ -201,6 +244,6 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return 2
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    for line in explain(row, run_dir):
+    for line in explain(row, run_dir) + neighbours(ledger, row):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

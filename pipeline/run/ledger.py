@@ -80,6 +80,14 @@ CREATE TABLE IF NOT EXISTS samples (
     anon_bytes INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_by_attempt ON samples(attempt_id);
+CREATE TABLE IF NOT EXISTS host_samples (
+    run_id TEXT NOT NULL,
+    t REAL NOT NULL,                 -- wall-clock time; each row holds the least memory of its second
+    mem_total INTEGER NOT NULL,
+    mem_available INTEGER NOT NULL,  -- /proc/meminfo MemAvailable
+    available INTEGER NOT NULL       -- what the runner really has: MemAvailable and its cgroups' headroom
+);
+CREATE INDEX IF NOT EXISTS host_samples_by_run ON host_samples(run_id, t);
 """
 
 ATTEMPT_JSON_FIELDS = (
@@ -109,6 +117,19 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
         # with no -wal file (no run writing) every row is in the main file, read as it is.
         db = _connect(f"{uri}?immutable=1", uri=True)
     return db
+
+
+@dataclass(frozen=True)
+class HostSample:
+    t: float
+    mem_total: int
+    mem_available: int
+    available: int
+
+    @property
+    def in_use(self) -> int:
+        """Memory in use as ``free`` counts it: everything MemAvailable does not count as available."""
+        return self.mem_total - self.mem_available
 
 
 @dataclass(frozen=True)
@@ -185,6 +206,9 @@ class Ledger:
             (run_id, step, state, detail, time.time()),
         )
 
+    def runs(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._db.execute("SELECT * FROM runs ORDER BY started_at").fetchall()]
+
     def latest_run(self) -> dict[str, Any] | None:
         row = self._db.execute("SELECT * FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()
         return dict(row) if row else None
@@ -258,3 +282,35 @@ class Ledger:
             (attempt_id,),
         ).fetchall()
         return [tuple(r) for r in rows]
+
+    # -- the host ---------------------------------------------------------------------------
+    def add_host_sample(self, run_id: str, sample: HostSample) -> None:
+        self._write(
+            "INSERT INTO host_samples (run_id, t, mem_total, mem_available, available)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (run_id, sample.t, sample.mem_total, sample.mem_available, sample.available),
+        )
+
+    def host_samples(self, run_id: str) -> list[HostSample]:
+        """The host's memory during a run, oldest first; none in a ledger written before it was sampled."""
+        if not self._has_table("host_samples"):
+            return []
+        rows = self._db.execute(
+            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ? ORDER BY t",
+            (run_id,),
+        ).fetchall()
+        return [HostSample(*r) for r in rows]
+
+    def last_host_sample(self, run_id: str) -> HostSample | None:
+        if not self._has_table("host_samples"):
+            return None
+        row = self._db.execute(
+            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ?"
+            " ORDER BY t DESC LIMIT 1",
+            (run_id,),
+        ).fetchone()
+        return HostSample(*row) if row else None
+
+    def _has_table(self, name: str) -> bool:
+        query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        return self._db.execute(query, (name,)).fetchone() is not None

@@ -28,6 +28,8 @@ from typing import Protocol
 
 from pipeline.memory import format_size, read_meminfo
 from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
+from pipeline.run.host_sampler import HostSampler
+from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import (
     FINGERPRINT_ENV,
@@ -45,7 +47,6 @@ from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict, decide
 
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
-STATE_DIR = ".eyrie"
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)
@@ -151,6 +152,7 @@ class Orchestrator:
         argvs = {s.name: self._expand(s) for s in self.spec.steps}
         order = [s.name for s in self.spec.order()]
         ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
+        host = HostSampler(ledger, self.run_id).start()
         self.reporter.note(
             f"run {self.run_id}: {len(order)} steps, budget {format_size(pool)} (set by {binding}), "
             f"executor {self.executor.name}"
@@ -239,6 +241,7 @@ class Orchestrator:
                 if state in ("pending", "running"):
                     states[name] = "cancelled"
                     ledger.set_step_state(self.run_id, name, "cancelled", f"cancelled: {error}")
+            host.stop()
             ledger.end_run(self.run_id, "failed")
             raise
 
@@ -251,6 +254,7 @@ class Orchestrator:
             run_state = "succeeded"
         else:
             run_state = "failed"
+        host.stop()
         ledger.end_run(self.run_id, run_state)
         return RunResult(self.run_id, run_state)
 
@@ -281,7 +285,7 @@ class Orchestrator:
         # A manifest from an earlier attempt must not make this one look complete.
         (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
         attempt = ledger.next_attempt_number(step.name)
-        logs = self.run_dir / STATE_DIR / "logs" / step.name
+        stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
         meminfo = read_meminfo()
         env = {**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint}
         launch = Launch(
@@ -292,8 +296,8 @@ class Orchestrator:
             cwd=step_dir,
             env=env,
             limit_bytes=limit,
-            stdout_path=logs / f"attempt-{attempt}.stdout.log",
-            stderr_path=logs / f"attempt-{attempt}.stderr.log",
+            stdout_path=stdout_path,
+            stderr_path=stderr_path,
             image=step.image,
             gpus=step.gpus,
             on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),

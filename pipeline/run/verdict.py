@@ -92,7 +92,7 @@ def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Dec
         )
     if outcome.signal is not None:
         return Decision(Verdict.CRASHED, f"{ended}, and no OOM kill was counted in its cgroup")
-    last = _last_meaningful(outcome.stderr_tail)
+    last = next((text for line in reversed(outcome.stderr_tail) if (text := meaningful(line))), None)
     return Decision(Verdict.FAILED, f"{ended}" + (f": {last}" if last else ""))
 
 
@@ -102,8 +102,11 @@ def _ending(outcome: Outcome) -> str:
     return f"the main process exited with {outcome.exit_code}"
 
 
-def _last_meaningful(lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        if line.strip():
-            return line.strip()
-    return None
+# Box-drawing and block characters: the frames rich and other libraries draw around messages.
+_FRAME = "".join(chr(c) for c in range(0x2500, 0x25A0))
+
+
+def meaningful(line: str) -> str:
+    """A stderr line without the whitespace and frame characters around it; '' for a blank or
+    decoration-only line such as ``╰──────╯``."""
+    return line.strip(_FRAME + " \t\r\n")

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from eyrie_testing import REPO, attempts_json, eyrie
+from eyrie_testing import REPO, attempts_json, check_run_chart, eyrie, screenshot
 
 DEMO = REPO / "pipeline" / "embedded" / "demo.yaml"
 
@@ -20,5 +20,11 @@ def test_demo_pipeline_succeeds_and_resumes(tmp_path):
     assert all(a["verdict"] == "succeeded" for a in attempts), [(a["step"], a["reason"]) for a in attempts]
     status = eyrie("status", "--run-dir", str(run_dir), check=True).stdout
     assert all(step in status for step in steps)
+    # The report's run chart as a browser draws it: the host, the budget, and the long steps
+    # (a step of a few seconds is a few pixels wide in a run of minutes: it is in the markup).
+    eyrie("report", "--run-dir", str(run_dir), check=True)
+    page = (run_dir / "report.html").read_text()
+    check_run_chart(page, screenshot(run_dir / "report.html", tmp_path / "report.png"), ["generate", "train"])
+    assert all(f'data-series="steps-{step}"' in page for step in steps)
     again = eyrie("run", str(DEMO), "--run-dir", str(run_dir), check=True)
     assert again.stdout.count("skipped") == len(steps)

@@ -71,6 +71,15 @@ def allocate() -> None:
         tmp.write_text(f"held {len(held)} MiB\n")
 
 
+def hold() -> None:
+    """Hold ``sys.argv[2]`` MiB for ``sys.argv[3]`` seconds, then end as scenario ``sys.argv[4]``
+    (default: succeed) with the memory still held: a server beside the others, a job that dies."""
+    held = [b"\x01" * MIB for _ in range(int(sys.argv[2]))]
+    time.sleep(float(sys.argv[3]))
+    SCENARIOS[sys.argv[4] if len(sys.argv) > 4 else "succeed"]()
+    del held
+
+
 def memory_error() -> None:
     bytearray(1 << 50)  # 1 PiB: malloc refuses at once, no page is touched, nothing is killed
 
@@ -78,7 +87,7 @@ def memory_error() -> None:
 SCENARIOS = {
     f.__name__: f
     for f in (succeed, oom, child_oom, write_then_abort, segfault, exception, sleep,
-              killed_from_outside, memory_error, allocate)
+              killed_from_outside, memory_error, allocate, hold)
 }  # fmt: skip
 
 if __name__ == "__main__":

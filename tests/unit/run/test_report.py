@@ -25,7 +25,9 @@ steps:
     result = eyrie("report", "--run-dir", str(tmp_path / "run"), check=True)
     page = (tmp_path / "run" / "report.html").read_text()
     assert result.stdout.strip().endswith("report.html")
-    assert page.count("<svg") + page.count("no timeline samples") == 2
+    assert page.count('<svg class="run-chart"') == 1
+    attempt_charts = re.findall(r'aria-label="memory of \S+ attempt \d"', page)
+    assert len(attempt_charts) + page.count("no timeline samples") == 2
     assert "OOM-killed" in page and "oom_kill went 0→1" in page
     assert re.search(r"<td class='verdict'[^>]*>succeeded</td>", page)
     assert "<script" not in page

@@ -66,3 +66,11 @@ def test_gpu_out_of_memory_is_failed_not_a_host_memory_error(line):
     assert decision.verdict == Verdict.FAILED
     assert "GPU memory" in decision.reason and "host memory limit would not help" in decision.reason
     assert "batch size" in decision.reason
+
+
+def test_the_evidence_line_skips_frames_and_blank_lines():
+    # typer (rich) prints a usage error in a box: the message is inside it, not its bottom edge.
+    tail = ["Usage: eyrie tokenize [OPTIONS]", "╭─ Error ─────────────────────╮",
+            "│ Missing option '--tokenizer'. │", "╰─────────────────────────────╯", "", "  "]  # fmt: skip
+    decision = decide(outcome(2, stderr=tail), False, "no manifest")
+    assert decision.reason == "the main process exited with 2: Missing option '--tokenizer'."

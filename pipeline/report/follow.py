@@ -1,0 +1,239 @@
+"""``eyrie status --follow``: a run as it goes, from the ledger, the steps' cgroups and their logs.
+
+Nothing here talks to the runner, so it works from any shell that can read the
+run directory and, for memory in use, the steps' cgroups: each step's state,
+its memory against its limit, its peak, records and elapsed time, the host's
+memory and the budget, and the last line each running step printed. It ends
+when the run ends, leaving the last view on screen; ``--json`` prints the same
+view as one JSON object a line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from pipeline.memory import cgroup_at, format_duration, format_size
+from pipeline.report.status import VERDICT_STYLE, open_ledger, unreadable, wide_console
+from pipeline.run.layout import attempt_logs
+from pipeline.run.ledger import Ledger
+from pipeline.run.verdict import meaningful
+
+REFRESH_S = 1.0
+TAIL_BYTES = 8192  # enough of a log's end to hold its last line
+RUN_EXIT = {"succeeded": 0, "cancelled": 130}  # as `eyrie run` exits; any other end is 1
+
+
+@dataclass
+class StepView:
+    step: str
+    state: str
+    attempt: int | None = None
+    verdict: str | None = None
+    usage_bytes: int | None = None
+    limit_bytes: int | None = None
+    peak_bytes: int | None = None
+    records: int | None = None
+    elapsed_s: float | None = None
+    last_line: str | None = None
+
+
+@dataclass
+class RunView:
+    at: float
+    run_id: str
+    pipeline: str
+    state: str
+    ended: bool
+    budget_bytes: int | None
+    reserved_bytes: int
+    host: dict[str, int] | None
+    steps: list[StepView] = field(default_factory=list)
+    note: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def view(ledger: Ledger, run_dir: Path) -> RunView | None:
+    """What the latest run of a ledger is doing now; None when the ledger holds no run."""
+    run = ledger.latest_run()
+    if run is None:
+        return None
+    now = time.time()
+    run_id = run["run_id"]
+    states = ledger.step_states(run_id)
+    latest: dict[str, Any] = {}
+    for row in ledger.attempts():
+        if row.run_id == run_id:
+            latest[row.step] = row  # attempts come oldest first: the last one stays
+    names = json.loads(run["steps"]) or list(latest)  # a build lists its compile jobs as they come
+    steps = []
+    for name in names:
+        row = latest.get(name)
+        state = states.get(name, {}).get("state") or ("running" if row and row.verdict is None else "ended")
+        step = StepView(name, state)
+        if row is not None:
+            step.attempt, step.verdict, step.limit_bytes = row.attempt, row.verdict, row.limit_bytes
+            step.peak_bytes, step.records = row.peak_bytes, row.records
+            step.elapsed_s = (row.ended_at or now) - row.started_at
+            if row.verdict is None:
+                cgroup = cgroup_at(row.location) if row.location else None
+                if cgroup is not None:
+                    try:
+                        step.usage_bytes, step.peak_bytes = cgroup.usage(), cgroup.peak()
+                    except OSError:
+                        pass  # it ended between the listing and the read
+                step.last_line = _last_line(*attempt_logs(run_dir, name, row.attempt))
+        steps.append(step)
+    last = ledger.last_host_sample(run_id)
+    host = None
+    if last is not None:
+        host = {"mem_total": last.mem_total, "mem_available": last.mem_available,
+                "available": last.available, "in_use": last.in_use}  # fmt: skip
+    ended, note = run["state"] != "running", None
+    if not ended and run["host"] == socket.gethostname() and not _alive(run["orchestrator_pid"]):
+        ended, note = True, f"the runner (pid {run['orchestrator_pid']}) is gone; the run did not end cleanly"
+    reserved = sum(s.limit_bytes or 0 for s in steps if s.verdict is None and s.attempt is not None)
+    return RunView(
+        at=now, run_id=run_id, pipeline=run["pipeline"], state=run["state"], ended=ended,
+        budget_bytes=run["budget_bytes"], reserved_bytes=reserved, host=host, steps=steps, note=note,
+    )  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    return True
+
+
+def _last_line(*logs: Path) -> str | None:
+    """The last meaningful line of whichever log was written last."""
+    written = [(p.stat().st_mtime, p) for p in logs if p.is_file()]
+    for _, path in sorted(written, reverse=True):
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, path.stat().st_size - TAIL_BYTES))
+                lines = fh.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            continue  # removed meanwhile
+        text = next((t for line in reversed(lines) if (t := meaningful(line))), None)
+        if text:
+            return text
+    return None
+
+
+def render(run: RunView) -> Group:
+    """The view as rich renders it: a headline, the host's memory and the budget, one row per step."""
+    state = "ended" if run.ended and run.state == "running" else run.state
+    style = VERDICT_STYLE.get(state, "cyan")
+    head = Text.from_markup(
+        f"[bold]eyrie[/] run {escape(run.run_id)} [{style}]{escape(state)}[/] ({escape(run.pipeline)})"
+    )
+    memory = Text("host at the end: " if run.ended else "host: ", style="bold")
+    if run.host:
+        host = run.host
+        memory.append(
+            f"{format_size(host['in_use'])} in use, {format_size(host['mem_available'])} MemAvailable "
+            f"of {format_size(host['mem_total'])}"
+        )
+        if host["available"] < host["mem_available"]:
+            memory.append(f" ({format_size(host['available'])} left by eyrie's cgroups)")
+    else:
+        memory.append("not sampled in this ledger", style="dim")
+    memory.append(
+        f"   budget {format_size(run.budget_bytes)}, running steps reserve {format_size(run.reserved_bytes)}"
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    for column, justify in [
+        ("step", "left"), ("state", "left"), ("memory", "left"), ("in use / limit", "right"),
+        ("peak", "right"), ("records", "right"), ("elapsed", "right"), ("last line", "left"),
+    ]:  # fmt: skip
+        table.add_column(column, justify=justify, no_wrap=True, overflow="ellipsis",
+                         max_width=60 if column == "last line" else None)  # fmt: skip
+    for step in run.steps:
+        # A step waiting for its retry shows that, not the verdict of the attempt before.
+        shown = (
+            step.state
+            if step.state in ("pending", "running", "skipped", "blocked")
+            else step.verdict or step.state
+        )
+        bar: Any = ""
+        used = ""
+        if step.limit_bytes:
+            if step.usage_bytes is not None:
+                bar = ProgressBar(
+                    total=step.limit_bytes, completed=min(step.usage_bytes, step.limit_bytes), width=20
+                )
+                used = f"{format_size(step.usage_bytes)} / {format_size(step.limit_bytes)}"
+            else:
+                used = f"limit {format_size(step.limit_bytes)}"
+        table.add_row(
+            escape(step.step),
+            f"[{VERDICT_STYLE.get(shown, 'cyan')}]{escape(shown)}[/]"
+            + (f" #{step.attempt}" if step.attempt and step.attempt > 1 else ""),
+            bar,
+            used,
+            format_size(step.peak_bytes),
+            "-" if step.records is None else f"{step.records:,}",
+            format_duration(step.elapsed_s),
+            Text(step.last_line or "", style="dim"),
+        )
+    parts: list[Any] = [head, memory, table]
+    if run.note:
+        parts.append(Text(run.note, style="yellow"))
+    return Group(*parts)
+
+
+def follow_command(run_dir: Path, json_output: bool) -> int:
+    """Follow the latest run of ``run_dir`` until it ends; its exit code is the run's, as `eyrie run`'s."""
+    console, err = wide_console(), Console(stderr=True)
+    ledger = open_ledger(run_dir, err)
+    if ledger is None:
+        return 2
+    try:
+        return _follow(ledger, run_dir, console, json_output)
+    except sqlite3.Error as exc:
+        return unreadable(ledger.path, exc, err)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ledger.close()
+
+
+def _follow(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) -> int:
+    current = view(ledger, run_dir)
+    if current is None:
+        Console(stderr=True).print(f"[red]error:[/] the ledger in {escape(str(run_dir))} holds no run yet")
+        return 2
+    if json_output:
+        while True:
+            print(json.dumps(current.as_json()), flush=True)
+            if current.ended:
+                break
+            time.sleep(REFRESH_S)
+            current = view(ledger, run_dir)
+    else:
+        with Live(render(current), console=console, auto_refresh=False) as live:
+            while not current.ended:
+                time.sleep(REFRESH_S)
+                current = view(ledger, run_dir)
+                live.update(render(current), refresh=True)
+    return RUN_EXIT.get(current.state, 1)

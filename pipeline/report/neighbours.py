@@ -1,0 +1,110 @@
+"""What the host had when an attempt died: its memory, the steps beside it, and what that means.
+
+"Was it OOM?" has three answers a reader must tell apart: the step was over its
+own limit; the host was full because of something else; or memory was not
+short, so the cause is elsewhere. The ledger's samples of the host and of every
+attempt answer it for the moment the attempt was killed or crashed.
+"""
+
+from __future__ import annotations
+
+from pipeline.memory import format_size
+from pipeline.report.timeline import CRASH_ENDINGS, MEMORY_ENDINGS, Track, clock, timeline_of
+from pipeline.run.ledger import AttemptRow, HostSample, Ledger
+
+NEAR_LIMIT = 0.9  # memory this close to its limit: the limit is what stopped the attempt
+HOST_FULL = 0.05  # less than this share of the host's memory left: the host was full
+
+
+def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
+    """Sentences on the host and the other attempts at the moment ``row`` was killed or crashed."""
+    if row.verdict not in MEMORY_ENDINGS | CRASH_ENDINGS:
+        return []
+    timeline = timeline_of(ledger, row)
+    track = next((t for t in timeline.tracks if t.row.id == row.id), None) if timeline else None
+    if timeline is None or track is None or track.event is None:
+        return []
+    moment, what = track.event
+    when = f"At {clock(moment)}, " + (
+        "when its OOM kill was counted" if what == "OOM kill" else "when it ended"
+    )
+    host = timeline.host_at(moment)
+    beside = [(t, t.usage_at(moment)) for t in timeline.running_at(moment) if t.row.id != row.id]
+    lines = []
+    if host is None:
+        lines.append(
+            f"{when}: the ledger has no record of the host's memory then (it was written before eyrie "
+            f"sampled the host); at the attempt's start the host had {format_size(row.host_mem_available)} "
+            f"available of {format_size(row.host_mem_total)}."
+        )
+    else:
+        cgroups = (
+            f"; the cgroups eyrie runs in left it {format_size(host.available)}"
+            if host.available < host.mem_available * (1 - HOST_FULL)
+            else ""
+        )
+        lines.append(
+            f"{when}, the host had {format_size(host.in_use)} in use and {format_size(host.mem_available)} "
+            f"MemAvailable of {format_size(host.mem_total)}{cgroups}."
+        )
+    if beside:
+        held = sum(usage or 0 for _, usage in beside)
+        listed = ", ".join(f"{_name(t)} {format_size(usage)} of its {format_size(t.row.limit_bytes)} limit"
+                           for t, usage in sorted(beside, key=lambda b: -(b[1] or 0)))  # fmt: skip
+        others = ""
+        if host is not None:
+            # The host's "in use" leaves out page cache it can reclaim: set the steps' anonymous
+            # memory against it, not their cgroups' charge.
+            steps_anon = sum(t.usage_at(moment, anon=True) or 0 for t in timeline.running_at(moment))
+            others = f"; the rest of the host {format_size(max(0, host.in_use - steps_anon))}"
+        lines.append(f"Beside it ran: {listed} ({format_size(held)} in all{others}).")
+    else:
+        lines.append("No other step of the run was running.")
+    lines.append(_judgement(row, host, beside))
+    return lines
+
+
+def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Track, int | None]]) -> str:
+    killed = row.verdict in ("oom_killed", "child_oom_killed")
+    # An OOM kill means the cgroup was full, page cache included; any other ending is judged by
+    # the anonymous memory, as page cache alone fills a cgroup that reads files and harms no one.
+    used = (row.peak_bytes if killed else row.anon_peak_bytes or row.peak_bytes) or 0
+    share = used / row.limit_bytes if row.limit_bytes else 0.0
+    host_full = host is not None and host.available < HOST_FULL * host.mem_total
+    measure = "its memory, page cache included," if killed else "its anonymous memory"
+    of_limit = f"{format_size(used)} of its {format_size(row.limit_bytes)} limit"
+    if share >= NEAR_LIMIT:
+        room = f" while the host had {format_size(host.available)} available" if host is not None else ""
+        also = " The host was nearly full as well." if host_full else ""
+        return (
+            f"Over its own limit: {measure} reached {of_limit}{room}; its limit stopped it, not the host. "
+            f"Raise its memory: or make it use less.{also}"
+        )
+    if host_full:
+        largest = max(beside, key=lambda b: b[1] or 0, default=None)
+        culprit = f" (the largest beside it: {_name(largest[0])})" if largest and largest[1] else ""
+        return (
+            f"The host was full because of something else: {measure} peaked at {of_limit}, but the host "
+            f"had only {format_size(host.available)} available{culprit}. Free memory on the host, or lower "
+            "the pipeline's budget so fewer steps run together."
+        )
+    if host is None:
+        return f"{measure.capitalize()} peaked at {of_limit}: its own limit did not stop it."
+    if killed:
+        return (
+            f"An OOM kill was counted while {measure} peaked at only {of_limit} and the host had "
+            f"{format_size(host.available)} available: a cgroup above it may have reached its own limit "
+            "(see `eyrie memory`)."
+        )
+    free = host.available / host.mem_total if host.mem_total else 0.0
+    low = (
+        f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and the host had {free:.0%} "
+        "of its memory available"
+    )
+    if row.verdict == "memory_error":
+        return f"{low}: the allocation that failed asked for more than there was; see its size in stderr."
+    return f"{low}, so memory did not end it; look at its exit status and stderr instead."
+
+
+def _name(track: Track) -> str:
+    return track.row.step if track.row.attempt == 1 else f"{track.row.step} (attempt {track.row.attempt})"

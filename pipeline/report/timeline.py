@@ -1,0 +1,135 @@
+"""A run on one clock: the host's memory and every attempt's, and what ran beside what.
+
+The ledger keeps each attempt's timeline relative to its start, one point per
+window of about a second holding the window's highest memory, and the host's
+memory one row a second holding that second's least MemAvailable. This module
+puts them on the run's wall clock, for the report's run chart and for
+``explain``'s account of an attempt's neighbours.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.run.host_sampler import SAMPLE_S
+from pipeline.run.ledger import AttemptRow, HostSample, Ledger
+
+MEMORY_ENDINGS = frozenset({"oom_killed", "child_oom_killed", "memory_error"})
+CRASH_ENDINGS = frozenset({"crashed", "completed_then_crashed"})
+
+
+@dataclass(frozen=True)
+class Track:
+    """One attempt on the run's clock: its memory at the end of each window, each the window's highest.
+
+    ``totals`` is what its cgroup was charged (page cache included: what the limit counts),
+    ``anons`` its anonymous memory (what the host cannot reclaim from it).
+    """
+
+    row: AttemptRow
+    start: float
+    end: float
+    ends: list[float]
+    totals: list[int]
+    anons: list[int]
+
+    def usage_at(self, t: float, *, anon: bool = False) -> int | None:
+        """Memory at ``t``: the highest of the window holding ``t``; None outside the attempt."""
+        return self.usage_between(t, t, anon=anon)
+
+    def usage_between(self, t0: float, t1: float, *, anon: bool = False) -> int | None:
+        """The highest memory of the windows that overlap [t0, t1]; None when the attempt did not run."""
+        if t1 < self.start or t0 > self.end:
+            return None
+        if not self.ends:
+            return 0
+        first = min(bisect.bisect_left(self.ends, t0), len(self.ends) - 1)
+        last = min(bisect.bisect_left(self.ends, t1), len(self.ends) - 1)
+        return max((self.anons if anon else self.totals)[first : last + 1])
+
+    @property
+    def event(self) -> tuple[float, str] | None:
+        """When and what to mark: the OOM kill, or the end of an attempt that crashed or ran out."""
+        verdict = self.row.verdict
+        if verdict in ("oom_killed", "child_oom_killed"):
+            return (self.row.oom_at or self.end, "OOM kill")
+        if verdict == "memory_error":
+            return (self.end, "memory error")
+        if verdict in CRASH_ENDINGS:
+            return (self.end, "crash")
+        return None
+
+
+@dataclass(frozen=True)
+class RunTimeline:
+    run: dict[str, Any]
+    start: float
+    end: float
+    host: list[HostSample]
+    tracks: list[Track]
+    host_times: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_times", [s.t for s in self.host])
+
+    def host_between(self, t0: float, t1: float) -> HostSample | None:
+        """The least memory the host had in the seconds overlapping [t0, t1]; None without samples."""
+        times = self.host_times
+        first = bisect.bisect_left(times, t0)
+        last = min(bisect.bisect_left(times, t1), len(times) - 1)
+        window = self.host[first : last + 1] if first < len(times) else self.host[-1:]
+        if not window:
+            return None
+        return min(window, key=lambda s: s.available)
+
+    def host_at(self, t: float) -> HostSample | None:
+        """What the host had at ``t``, and in the second before it (an OOM kill frees memory at once)."""
+        return self.host_between(t - SAMPLE_S, t)
+
+    def running_at(self, t: float) -> list[Track]:
+        return [track for track in self.tracks if track.start <= t <= track.end]
+
+
+def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
+    """One run of the ledger on its clock."""
+    run_id = run["run_id"]
+    host = ledger.host_samples(run_id)
+    rows = [row for row in ledger.attempts() if row.run_id == run_id]
+    end = run["ended_at"] or time.time()
+    if host:
+        # A runner killed without warning leaves its run open until the next run closes it:
+        # its last host sample, not that later moment, is when it was last seen.
+        end = min(end, host[-1].t + SAMPLE_S)
+    start = min([run["started_at"], *(row.started_at for row in rows)])
+    end = max([end, start, *(row.started_at for row in rows)])
+    tracks = []
+    for row in rows:
+        points = ledger.timeline(row.id)
+        track_end = min(row.ended_at or end, end)
+        tracks.append(
+            Track(
+                row=row,
+                start=row.started_at,
+                end=max(track_end, row.started_at),
+                ends=[row.started_at + p[0] for p in points],
+                totals=[p[1] for p in points],
+                anons=[p[2] for p in points],
+            )
+        )
+    return RunTimeline(run=run, start=start, end=end, host=host, tracks=tracks)
+
+
+def clock(ts: float | None) -> str:
+    """A wall-clock time as people read it on this host: ``15:30:01``."""
+    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def timeline_of(ledger: Ledger, row: AttemptRow) -> RunTimeline | None:
+    """The run an attempt belongs to, on its clock."""
+    for run in ledger.runs():
+        if run["run_id"] == row.run_id:
+            return run_timeline(ledger, run)
+    return None

@@ -1,0 +1,13 @@
+"""Where a run directory keeps eyrie's own files, beside the steps' folders: under ``.eyrie/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STATE_DIR = ".eyrie"
+
+
+def attempt_logs(run_dir: Path, step: str, attempt: int) -> tuple[Path, Path]:
+    """The files an attempt's stdout and stderr are kept in."""
+    logs = Path(run_dir) / STATE_DIR / "logs" / step
+    return logs / f"attempt-{attempt}.stdout.log", logs / f"attempt-{attempt}.stderr.log"

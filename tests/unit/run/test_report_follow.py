@@ -1,0 +1,141 @@
+"""`eyrie status --follow` while a real run goes on: from another process, as JSON lines and in a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyrie_testing import REPO, eyrie
+from pipeline.run.ledger import LEDGER_NAME, Ledger
+
+pytestmark = pytest.mark.usefixtures("real_cgroups")
+MIB = 2**20
+
+# A step that prints a line and grows a little every 0.7 s, and a quiet one beside it.
+PIPELINE = """
+steps:
+  - name: talker
+    command: [PYTHON, -u, -c, "import time\\nheld = []\\nfor i in range(8):\\n    held.append(b'1' * (16 * 2**20))\\n    print(f'row {i} of 8')\\n    time.sleep(0.7)"]
+    memory: 256MiB
+  - name: quiet
+    command: [PYTHON, -c, "import time; held = b'1' * (64 * 2**20); time.sleep(3)"]
+    memory: 96MiB
+"""  # noqa: E501
+
+
+def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """`eyrie run` in the background; returns once its ledger holds the run."""
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(PIPELINE.replace("PYTHON", sys.executable))
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (run_dir / LEDGER_NAME).exists():
+            ledger = Ledger(run_dir, create=False)
+            try:
+                if ledger.latest_run():
+                    return runner, run_dir
+            except sqlite3.OperationalError:
+                pass  # created a moment ago, its tables not yet
+            finally:
+                ledger.close()
+        time.sleep(0.1)
+    runner.kill()
+    raise AssertionError("the run did not start within 30 s")
+
+
+def test_follow_json_lines_show_each_step_live_and_end_with_the_run(tmp_path):
+    runner, run_dir = start_run(tmp_path)
+    try:
+        result = eyrie("status", "--follow", "--json", "--run-dir", str(run_dir), timeout=60)
+    finally:
+        runner.wait(60)
+    assert result.returncode == 0, result.stderr
+    views = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(views) >= 3 and all(not v["ended"] for v in views[:-1]) and views[-1]["ended"]
+    assert views[-1]["state"] == "succeeded"
+    assert {s["step"]: s["verdict"] for s in views[-1]["steps"]} == {
+        "talker": "succeeded",
+        "quiet": "succeeded",
+    }
+    talking = [s for v in views for s in v["steps"] if s["step"] == "talker" and s["state"] == "running"]
+    assert talking, "the talker was never seen running"
+    seen = talking[-1]
+    assert 16 * MIB <= seen["usage_bytes"] <= seen["limit_bytes"] == 256 * MIB, seen
+    assert seen["peak_bytes"] >= seen["usage_bytes"] and seen["elapsed_s"] > 0
+    assert seen["last_line"].startswith("row ") and seen["last_line"].endswith(" of 8"), seen
+    live = next(v for v in views if v["reserved_bytes"])
+    assert live["host"]["mem_total"] >= live["host"]["mem_available"] >= live["host"]["available"] > 0
+    assert live["budget_bytes"] > 0 and live["reserved_bytes"] in (256 * MIB, 352 * MIB)
+
+
+def test_follow_in_a_terminal_redraws_and_leaves_the_final_table(tmp_path):
+    runner, run_dir = start_run(tmp_path)
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "status", "--follow", "--run-dir", str(run_dir)],
+        cwd=REPO, stdin=secondary, stdout=secondary, stderr=secondary, env=env,
+    )  # fmt: skip
+    os.close(secondary)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([primary], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:  # the terminal closed: the follower ended
+                    break
+                if not chunk:
+                    break
+                screen += chunk
+            elif follower.poll() is not None:
+                break
+        assert follower.wait(10) == 0
+    finally:
+        os.close(primary)
+        runner.wait(60)
+    text = screen.decode("utf-8", errors="replace")
+    assert "\x1b[" in text and "\x1b[1A" in text, "not drawn as a live view (no cursor movement)"
+    assert "running" in text and "━" in text, "no step seen running with its memory bar"
+    assert "MemAvailable" in text and "budget" in text
+    assert "row " in text  # the talker's last line
+    final = text.rsplit("\x1b[1A", 1)[-1]  # the last frame: after the last cursor move up
+    for step in ("talker", "quiet"):
+        assert re.search(rf"{step}\s*│\s*\x1b\[32msucceeded", final), final
+    assert "run " in final and "succeeded" in final.splitlines()[0]
+
+
+def test_follow_ends_when_the_runner_is_gone(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.start_run("r1", "p.yaml", "local", ["prep"], 2**30, "MemAvailable")  # never ended
+    ledger.close()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    db = sqlite3.connect(tmp_path / LEDGER_NAME)
+    db.execute("UPDATE runs SET orchestrator_pid = ?", (gone.pid,))
+    db.commit()
+    db.close()
+    result = eyrie("status", "--follow", "--json", "--run-dir", str(tmp_path), timeout=30)
+    assert result.returncode == 1
+    (view,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert view["ended"] and f"the runner (pid {gone.pid}) is gone" in view["note"]
+    assert view["steps"] == [{"step": "prep", "state": "pending", "attempt": None, "verdict": None,
+                              "usage_bytes": None, "limit_bytes": None, "peak_bytes": None, "records": None,
+                              "elapsed_s": None, "last_line": None}]  # fmt: skip
