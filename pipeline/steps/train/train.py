@@ -232,7 +232,7 @@ def train(cfg: TrainConfig, log=_log) -> dict:
     folder = cfg.out / "checkpoints" / run_key(cfg, world)
     start, state = resume(folder, rank, world, device)
     if state is not None:
-        draft.load_state_dict(state["draft"])
+        ckpt.restore(draft, state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         log(f"resumed from step {start} of {total}")
@@ -266,7 +266,7 @@ def train(cfg: TrainConfig, log=_log) -> dict:
                     folder,
                     done,
                     {
-                        "draft": draft.state_dict(),
+                        "draft": ckpt.trained_state(draft),
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
                     },
