@@ -189,6 +189,26 @@ def target_units(
     return units + heads
 
 
+def draft_activations(
+    config, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int
+) -> tuple[int, int]:
+    """(kept, transient): the bytes autograd keeps for the draft's backward, and what the step being
+    computed holds besides, for a batch of ``batch_tokens`` positions in rows of ``length``.
+
+    Kept, per position and TTT step: about 16 hidden widths and 4 intermediate widths, and each
+    head's attention row over the ``length`` positions plus the earlier steps, counted fp32 (an
+    upper bound under bf16 autocast; checked against what autograd really keeps in
+    ``tests/unit/train/test_placement.py``). Transient: the step's scores before the softmax (the
+    product, the causal fill, the concatenation) and one loss chunk's logits.
+    """
+    rows = config.num_attention_heads * (length + ttt_steps)
+    per_position = (
+        16 * config.hidden_size + 4 * config.intermediate_size
+    ) * _ACT_BYTES + rows * _ATTENTION_BYTES
+    transient = 3 * batch_tokens * rows * _ACT_BYTES + 3 * loss_chunk * config.draft_vocab_size * 4
+    return ttt_steps * batch_tokens * per_position, transient
+
+
 def draft_bytes(
     draft, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int, feature_bytes: int
 ) -> int:
@@ -196,21 +216,14 @@ def draft_bytes(
 
     Trainable weights with their gradients, AdamW's two moments and autocast's bf16 copy; the
     frozen embedding and buffers as they are; the batch's target inputs (features and teacher);
-    and the activations autograd keeps for the backward: per position and TTT step, about 16 hidden
-    widths, 4 intermediate widths and each head's attention row over the ``length`` positions plus the
-    earlier steps, all counted fp32 (an upper bound, checked against what autograd really keeps in
-    ``tests/unit/train/test_placement.py``), plus one loss chunk's logits.
+    and the activations (:func:`draft_activations`).
     """
     config = draft.config
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in draft.buffers())
-    hidden, width = config.hidden_size, config.intermediate_size
-    vocab = config.draft_vocab_size
-    inputs = batch_tokens * (3 * config.target_hidden_size * feature_bytes + vocab * 4 + 1)
-    rows = config.num_attention_heads * (length + ttt_steps) * _ATTENTION_BYTES
-    per_position = (16 * hidden + 4 * width) * _ACT_BYTES + rows
-    activations = ttt_steps * batch_tokens * per_position + 3 * loss_chunk * vocab * 4
+    inputs = batch_tokens * (3 * config.target_hidden_size * feature_bytes + config.draft_vocab_size * 4 + 1)
+    activations = sum(draft_activations(config, batch_tokens, length, ttt_steps, loss_chunk))
     # fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), autocast's bf16 copy (2).
     return 18 * trainable + frozen + buffers + inputs + activations
 
@@ -254,7 +267,10 @@ def plan(placement: str, units: list[Unit], devices: list[Device], draft: int, w
     gpus = devices[0].name.startswith("cuda")
     if placement == "offline":
         features = plan("auto", units, devices, 0, 1)
-        head = [u for u in units if "." not in u.module]  # the lm_head: what offline training holds
+        # The lm_head, what offline training holds; tied to the embedding it is counted there, but
+        # held alone it is a copy of it.
+        embedding = units[0].weights
+        head = [Unit(u.module, u.weights or embedding, u.activations) for u in units if "." not in u.module]
         shares = split(head, devices[:1], draft)
         if shares is None:
             raise PlacementError(

@@ -228,19 +228,24 @@ class Setup:
     layer_ids: list[int]
     draft: Eagle3Draft
     plan: Plan
+    longest: int
+    """The longest row: the width of the widest batch, which the plan sizes."""
 
 
 def plan_for(
-    cfg: TrainConfig, config, draft: Eagle3Draft, dtype: torch.dtype, world: int,
+    cfg: TrainConfig, config, draft: Eagle3Draft, dtype: torch.dtype, world: int, longest: int,
     devices: list[Device] | None = None, placement: str | None = None, draft_needs: int | None = None,
 ) -> Plan:  # fmt: skip
-    """The placement plan of this training: the target's modules, the draft's needs, the devices."""
-    batch_tokens = cfg.batch_size * cfg.max_length
+    """The placement plan of this training: the target's modules, the draft's needs, the devices.
+
+    Batches are sized at their widest: ``batch_size`` rows of the ``longest`` row's length.
+    """
+    batch_tokens = cfg.batch_size * longest
     vocab = draft.config.draft_vocab_size
-    units = target_units(config, dtype, cfg.batch_size, cfg.max_length, vocab, LOGITS_CHUNK)
+    units = target_units(config, dtype, cfg.batch_size, longest, vocab, LOGITS_CHUNK)
     if draft_needs is None:
         element = torch.finfo(dtype).bits // 8
-        draft_needs = draft_bytes(draft, batch_tokens, cfg.max_length, cfg.ttt_steps, cfg.loss_chunk, element)
+        draft_needs = draft_bytes(draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element)
     devices = devices or measure_devices(every_gpu=world == 1)
     return plan_placement(placement or cfg.target_placement, units, devices, draft_needs, world)
 
@@ -270,8 +275,9 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     check_layer_ids(layer_ids, config.num_hidden_layers)
     torch.manual_seed(cfg.seed)  # the same initial draft whatever was loaded before it
     draft = Eagle3Draft(draft_config(config, d2t.shape[0], layer_ids))
-    plan = plan_for(cfg, config, draft, dtype, world, devices)
-    return Setup(config, dtype, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan)
+    longest = max(len(r.input_ids) for r in rows)  # rows are cut at --max-length
+    plan = plan_for(cfg, config, draft, dtype, world, longest, devices)
+    return Setup(config, dtype, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
 
 
 def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
@@ -343,7 +349,9 @@ def target_for_evaluation(cfg: TrainConfig, built: Built):
     if built.target is not None:
         return built.target
     setup = built.setup
-    plan = plan_for(cfg, setup.config, built.draft, setup.dtype, 1, placement="auto", draft_needs=0)
+    plan = plan_for(
+        cfg, setup.config, built.draft, setup.dtype, 1, setup.longest, placement="auto", draft_needs=0
+    )
     return _load(cfg, setup.dtype, plan)
 
 

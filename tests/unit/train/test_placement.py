@@ -13,6 +13,7 @@ from pipeline.steps.train.placement import (
     HEADROOM,
     Device,
     PlacementError,
+    draft_activations,
     draft_bytes,
     plan,
     target_units,
@@ -124,17 +125,17 @@ def test_a_70b_target_is_spread_evenly_over_four_gpus():
     result = plan("sharded", units_of(LLAMA_70B), devices, draft_of(LLAMA_70B), world=1)
     check_plan(result, LLAMA_70B, devices)
     assert len(result.shares) == 4
-    # The draft (51.6 GiB: 1.4B trainable parameters with AdamW, the attention rows of 2048 positions)
+    # The draft (54.6 GiB: 1.4B trainable parameters with AdamW, the attention rows of 2048 positions)
     # takes GPU 0; the layers are evened out over the others, not GPU 1 filled first, so every GPU
     # keeps room for transient tensors.
     assert result.shares[0].modules == []
     planned = [share.planned for share in result.shares[1:]]
     assert max(planned) - min(planned) < 0.15 * max(planned)
-    assert max(share.planned for share in result.shares) < 0.7 * devices[0].usable
+    assert max(share.planned for share in result.shares) < 0.75 * devices[0].usable
 
 
 def test_gpus_of_different_free_memory_get_different_shares():
-    devices = [Device("cuda:0", 80 * GiB), Device("cuda:1", 40 * GiB), Device("cuda:2", 80 * GiB)]
+    devices = [Device("cuda:0", 80 * GiB), Device("cuda:1", 48 * GiB), Device("cuda:2", 80 * GiB)]
     result = plan("sharded", units_of(LLAMA_70B), devices, draft_of(LLAMA_70B), world=1)
     check_plan(result, LLAMA_70B, devices)
     assert result.shares[1].planned < result.shares[0].planned
@@ -217,8 +218,8 @@ def saved_bytes(forward, excluded: set[int]) -> int:
 
 @pytest.mark.parametrize(("length", "steps"), [(64, 3), (256, 3), (128, 7)])
 def test_the_draft_estimate_bounds_what_autograd_keeps_for_the_backward(length, steps):
-    """The activation part of ``draft_bytes`` against a measurement: the bytes of every tensor autograd
-    saves for the backward of one training step (fp32, on the CPU)."""
+    """The kept activations of ``draft_activations`` against a measurement: the bytes of every tensor
+    autograd saves for the backward of one training step (fp32, on the CPU)."""
     target = LlamaConfig(
         vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4,
@@ -233,8 +234,17 @@ def test_the_draft_estimate_bounds_what_autograd_keeps_for_the_backward(length, 
     )
     own = {t.untyped_storage().data_ptr() for t in [*draft.parameters(), *draft.buffers()]}
     measured = saved_bytes(lambda: DraftLoss(draft, steps, 0.8, chunk)(ids, ids >= 0, inputs), own)
-    tokens = batch * length
-    estimate = draft_bytes(draft, tokens, length, steps, chunk, 4) - draft_bytes(
-        draft, 0, length, steps, chunk, 4
-    )
-    assert measured <= estimate <= 1.6 * measured
+    kept, _ = draft_activations(draft.config, batch * length, length, steps, chunk)
+    assert measured <= kept <= 1.3 * measured
+
+
+def test_a_tied_lm_head_goes_with_the_embedding_and_offline_holds_its_copy():
+    tied = LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    units = units_of(tied)
+    assert [u.module for u in units[:3]] == ["model.embed_tokens", "lm_head", "model.layers.0"]
+    assert sum(u.weights for u in units) == parameters_bytes(tied)  # the shared weight counted once
+    result = plan("offline", units, gpus(1, 80), draft_of(tied), world=1)
+    assert result.shares[0].weights == units[0].weights  # training holds the lm_head as its own tensor

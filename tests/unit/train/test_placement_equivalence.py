@@ -88,7 +88,7 @@ def _two_devices(cfg: TrainConfig) -> list[Device]:
     on the first and layers 4-7, the norm and the lm_head on the second."""
     setup = prepare(cfg, 1, [Device("cpu", 1 << 40)])
     vocab = setup.draft.config.draft_vocab_size
-    units = target_units(setup.config, setup.dtype, cfg.batch_size, cfg.max_length, vocab, LOGITS_CHUNK)
+    units = target_units(setup.config, setup.dtype, cfg.batch_size, setup.longest, vocab, LOGITS_CHUNK)
     first = setup.plan.shares[0].draft + sum(u.weights + u.activations for u in units[:5])
     second = sum(u.weights + u.activations for u in units[5:])
     return [Device("cpu", math.ceil(need / (1 - HEADROOM)) + 1) for need in (first, second)]
