@@ -4,7 +4,8 @@ With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-pr
 each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
 and evaluates. The manifest is written last, by the launching process of the node that
 ran rank 0, after every worker has exited cleanly. Several nodes must share the output
-folder: every rank resumes from the checkpoint rank 0 saved.
+folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
+launching process runs the target's features pass first, and the workers train from its shards.
 
 Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
 2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
