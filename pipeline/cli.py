@@ -332,6 +332,14 @@ def train(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Processes per node (torchrun).")] = None,
     nnodes: Annotated[int | None, typer.Option(help="Nodes (torchrun).")] = None,
+    target_placement: Annotated[
+        str | None,
+        typer.Option(help="Where the target lives: auto (default), replicated, sharded or offline."),
+    ] = None,
+    features_dir: Annotated[
+        Path | None,
+        typer.Option(help="Offline placement: the folder of the target's features (OUT/features)."),
+    ] = None,
 ) -> None:
     """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
     from pipeline.steps.train.cli import train_command
@@ -359,6 +367,8 @@ def train(
             threads=threads,
             nproc=nproc,
             nnodes=nnodes,
+            target_placement=target_placement,
+            features_dir=features_dir,
         )  # fmt: skip
     )
 

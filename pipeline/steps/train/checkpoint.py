@@ -2,7 +2,11 @@
 
 A checkpoint counts only when its folder carries the ``COMPLETE`` marker, written
 last inside the temporary folder before the rename: a ``kill -9`` at any moment
-leaves either the previous checkpoint or the new one, never a torn one.
+leaves either the previous checkpoint or the new one, never a torn one. The
+temporary folder such a kill leaves behind is removed by the next save.
+
+A checkpoint keeps what training changes: frozen parameters (the draft's copy of the
+target's embedding) are rebuilt from the target on every start, not saved each time.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pipeline.run.manifest import atomic_path
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")
+# What atomic_path names a step folder while it is written.
+_TEMPORARY = re.compile(r"^\.step-\d{8}\.tmp-\d+$")
 
 
 def _folder_of(folder: Path, step: int) -> Path:
@@ -29,6 +35,7 @@ def _folder_of(folder: Path, step: int) -> Path:
 def save(folder: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
     """Write ``state`` (tensors, optimizer, scheduler) and ``meta`` (JSON) as checkpoint ``step``."""
     final = _folder_of(folder, step)
+    remove_leftovers(folder)
     with atomic_path(final) as tmp:
         tmp.mkdir()
         torch.save(
@@ -40,6 +47,35 @@ def save(folder: Path, step: int, state: dict[str, Any], meta: dict[str, Any], k
     for old in complete(folder)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def remove_leftovers(folder: Path) -> list[Path]:
+    """Remove the temporary folders of writes that were killed; returns what was removed.
+
+    Only one process writes a run's checkpoints (rank 0), so any temporary folder found
+    before it writes is a dead write's.
+    """
+    if not folder.is_dir():
+        return []
+    leftovers = [p for p in folder.iterdir() if _TEMPORARY.match(p.name) and p.is_dir()]
+    for path in leftovers:
+        shutil.rmtree(path)
+    return leftovers
+
+
+def trained_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state without its frozen parameters."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def restore(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a :func:`trained_state` into ``module``, whose frozen parameters are already in place."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name not in frozen]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the draft: missing {missing}, unexpected {unexpected}")
 
 
 def complete(folder: Path) -> list[Path]:

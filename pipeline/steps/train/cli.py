@@ -4,7 +4,8 @@ With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-pr
 each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
 and evaluates. The manifest is written last, by the launching process of the node that
 ran rank 0, after every worker has exited cleanly. Several nodes must share the output
-folder: every rank resumes from the checkpoint rank 0 saved.
+folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
+launching process runs the target's features pass first, and the workers train from its shards.
 
 Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
 2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
@@ -98,21 +99,21 @@ def worker(cfg: TrainConfig) -> int:
 
     from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
     from pipeline.steps.train.export import export_draft
-    from pipeline.steps.train.features import OnlineTarget
-    from pipeline.steps.train.train import simulated_acceptance, train
+    from pipeline.steps.train.train import simulated_acceptance, target_for_evaluation, train
 
     result = train(cfg)
     if result["rank"] != 0:
         return 0
-    target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
-    export_draft(draft, cfg.out / DRAFT, dtype=target.dtype)
-    pad_id = target.config.pad_token_id or 0
-    source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t.cpu(), draft.t2d.cpu())
+    built = result["built"]
+    setup, draft = built.setup, built.draft.eval()
+    export_draft(draft, cfg.out / DRAFT, dtype=setup.dtype)
+    pad_id = setup.config.pad_token_id or 0
     started = time.monotonic()
-    simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id)
+    simulated = simulated_acceptance(built.source, draft, setup.heldout, cfg.ttt_steps, pad_id)
+    prompts = setup.heldout[: cfg.eval_prompts]
+    target = target_for_evaluation(cfg, built) if prompts else None
     real = real_acceptance(
-        target, draft, heldout[: cfg.eval_prompts], cfg.ttt_steps, cfg.eval_max_new_tokens,
-        eos_ids_of(target),
+        target, draft, prompts, cfg.ttt_steps, cfg.eval_max_new_tokens, eos_ids_of(target) if target else (),
     )  # fmt: skip
     report = {
         **result["summary"],
@@ -130,6 +131,16 @@ def worker(cfg: TrainConfig) -> int:
         flush=True,
     )
     return 0
+
+
+def offline_features(cfg: TrainConfig) -> None:
+    """The offline features pass, run here, in one process, before the workers train from its shards."""
+    from pipeline.steps.train.train import features_pass, prepare
+
+    setup = prepare(cfg, world=1)
+    for line in setup.plan.describe():
+        print(line, flush=True)
+    features_pass(cfg, setup, lambda line: print(line, flush=True))
 
 
 def _say(message: str) -> None:
@@ -155,6 +166,11 @@ def check_inputs(cfg: TrainConfig) -> None:
             raise SettingsError(f"{what} {required} does not exist (run its step first)")
     if cfg.target.is_dir() and not (cfg.target / "config.json").is_file():
         raise SettingsError(f"--target {cfg.target} is not a Hugging Face model folder (no config.json)")
+    if cfg.target_placement == "offline" and cfg.nnodes > 1:
+        raise SettingsError(
+            "--target-placement offline runs on one node (--nnodes 1): its features pass, which every "
+            "process then reads, is written before the workers start"
+        )
 
 
 def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
@@ -206,6 +222,12 @@ def train_command(config_file: Path | None, **overrides) -> int:
         return EXIT_BAD_INPUT
     cfg.out.mkdir(parents=True, exist_ok=True)
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
+        if cfg.target_placement == "offline":
+            try:
+                offline_features(cfg)
+            except BAD_INPUT_ERRORS as exc:
+                _say(str(exc))
+                return EXIT_BAD_INPUT
         resolved = cfg.out / RESOLVED
         atomic_write_text(resolved, cfg.model_dump_json(indent=2))
         rc, ran_rank_0 = launch_workers(cfg, resolved)
@@ -223,6 +245,8 @@ def train_command(config_file: Path | None, **overrides) -> int:
             return EXIT_BAD_INPUT
     report = json.loads((cfg.out / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
-    stats = {k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding")}
+    stats = {
+        k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding", "target_placement")
+    }
     write_manifest(step_dir, outputs, stats=stats)
     return 0

@@ -15,10 +15,11 @@ from pipeline.steps.train.model import Eagle3Draft, StepCache
 
 
 @torch.no_grad()
-def _target_pass(target, ids: list[int], layer_ids: list[int]):
-    device = next(target.parameters()).device
-    out = target(input_ids=torch.tensor([ids], device=device), output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+def _target_pass(target, ids: list[int], layer_ids: list[int], device: torch.device):
+    """The target's greedy tokens after each of ``ids`` and its features, on ``device`` (the draft's)."""
+    first = target.get_input_embeddings().weight.device
+    out = target(input_ids=torch.tensor([ids], device=first), output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
     return out.logits[0].argmax(-1).tolist(), features
 
 
@@ -63,13 +64,14 @@ def speculative_generate(
 ) -> tuple[list[int], list[int]]:
     """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
     layer_ids = draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
-    argmax, features = _target_pass(target, prompt, layer_ids)
+    device = draft.fc.weight.device
+    argmax, features = _target_pass(target, prompt, layer_ids, device)
     ids = prompt + [argmax[-1]]
     generated = [argmax[-1]]
     per_forward: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
         drafts = propose(draft, ids, features, k)
-        argmax, features = _target_pass(target, ids + drafts, layer_ids)
+        argmax, features = _target_pass(target, ids + drafts, layer_ids, device)
         base = len(ids) - 1  # the target's prediction after ids[-1]
         accepted = 0
         while accepted < k and drafts[accepted] == argmax[base + accepted]:

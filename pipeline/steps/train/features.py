@@ -1,8 +1,13 @@
 """Where the draft's inputs come from: the target's features and its next-token distribution.
 
-``FeatureSource`` is the interface; ``OnlineTarget`` runs the target in the training
-process. An offline source (features precomputed to disk, e.g. dumped by a server)
-implements the same call and plugs in unchanged.
+``FeatureSource`` is the interface. ``OnlineTarget`` runs the target in the training process,
+wherever its plan put it (one device, or layers spread over several); ``OfflineFeatures`` reads
+what the offline placement's features pass wrote (``offline.py``). Both turn the target's last
+hidden state into the teacher with the same ``TeacherHead``, so the three placements compute the
+same thing.
+
+Layer ids: ``hidden_states[0]`` is the embedding output and layer i's output is
+``hidden_states[i + 1]``, in every placement.
 """
 
 from __future__ import annotations
@@ -11,6 +16,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from pipeline.steps.train.offline import FeatureShards, row_digest
+
+LOGITS_CHUNK = 1024
+"""Positions whose full-vocabulary logits are computed at once: B*T*V would not fit for long
+sequences of a real target."""
 
 
 @dataclass
@@ -25,47 +36,101 @@ class TargetBatch:
 
 class FeatureSource(Protocol):
     hidden_size: int
-    num_layers: int
+    layer_ids: list[int]
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetBatch: ...
 
 
-class OnlineTarget:
-    """A Hugging Face causal LM, frozen, queried batch by batch."""
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"feature layer ids {bad} out of range: the target has {num_layers} layers "
+            f"(use 0..{num_layers - 2}; the last layer's output is the logits' input)"
+        )
 
-    def __init__(self, model, layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024):
-        self.model = model.eval().requires_grad_(False)
-        self.hidden_size = model.config.hidden_size
-        self.num_layers = model.config.num_hidden_layers
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers - 1]
-        if bad:
-            raise ValueError(
-                f"feature layer ids {bad} out of range: the target has {self.num_layers} layers "
-                f"(use 0..{self.num_layers - 2}; the last layer's output is the logits' input)"
-            )
-        self.layer_ids = list(layer_ids)
-        self.kept = d2t + torch.arange(d2t.shape[0])
-        self.t2d = t2d
+
+class TeacherHead:
+    """The target's lm_head restricted to the draft vocabulary: last hidden states in, the teacher out."""
+
+    def __init__(
+        self, lm_head: torch.nn.Module, d2t: torch.Tensor, t2d: torch.Tensor, chunk: int = LOGITS_CHUNK
+    ):
+        self.lm_head = lm_head.eval().requires_grad_(False)
+        device = lm_head.weight.device
+        self.kept = (d2t + torch.arange(d2t.shape[0])).to(device)
+        self.t2d = t2d.to(device)
         self.chunk = chunk
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetBatch:
-        device = next(self.model.parameters()).device
-        out = self.model.model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+    def __call__(self, last: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher, in_draft_vocab) on ``device`` for ``last`` (B, T, H), the final norm's output."""
+        head_device = self.kept.device
+        teacher, in_vocab = [], []
+        for start in range(0, last.shape[1], self.chunk):
+            logits = self.lm_head(last[:, start : start + self.chunk].to(head_device)).float()
+            teacher.append(logits[..., self.kept].to(device))
+            in_vocab.append(self.t2d[logits.argmax(-1)].to(device))
+        return torch.cat(teacher, dim=1), torch.cat(in_vocab, dim=1)
+
+
+class OnlineTarget:
+    """A Hugging Face causal LM, frozen, queried batch by batch.
+
+    Its outputs are moved to ``device`` (the draft's; default: the device of its embedding).
+    """
+
+    def __init__(
+        self,
+        model,
+        layer_ids: list[int],
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        device: torch.device | None = None,
+        chunk: int = LOGITS_CHUNK,
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.hidden_size = model.config.hidden_size
+        check_layer_ids(layer_ids, model.config.num_hidden_layers)
+        self.layer_ids = list(layer_ids)
+        self.head = TeacherHead(model.get_output_embeddings(), d2t, t2d, chunk)
+        self.device = device or model.get_input_embeddings().weight.device
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device: torch.device):
+        """(features (B, T, 3H), last hidden state (B, T, H)) on ``device``.
+
+        With the layers on several devices each hidden state comes from its layer's device.
+        """
+        first = self.model.get_input_embeddings().weight.device
+        out = getattr(self.model, self.model.base_model_prefix)(
+            input_ids=input_ids.to(first),
+            attention_mask=attention_mask.to(first),
             output_hidden_states=True,
         )
-        # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1].
-        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-        last = out.last_hidden_state
-        head = self.model.get_output_embeddings()
-        kept, t2d = self.kept.to(device), self.t2d.to(device)
-        teacher, in_vocab = [], []
-        # Full-vocabulary logits only a chunk of positions at a time: B*T*V would not fit for long
-        # sequences of a real target.
-        for start in range(0, last.shape[1], self.chunk):
-            logits = head(last[:, start : start + self.chunk]).float()
-            teacher.append(logits[..., kept])
-            in_vocab.append(t2d[logits.argmax(-1)])
-        return TargetBatch(features, torch.cat(teacher, dim=1), torch.cat(in_vocab, dim=1))
+        features = torch.cat([out.hidden_states[i + 1].to(device) for i in self.layer_ids], dim=-1)
+        return features, out.last_hidden_state
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetBatch:
+        features, last = self.hidden(input_ids, attention_mask, self.device)
+        return TargetBatch(features, *self.head(last, self.device))
+
+
+class OfflineFeatures:
+    """The features pass's shards, read back row by row (found by their tokens) and padded into batches."""
+
+    def __init__(self, shards: FeatureShards, head: TeacherHead, device: torch.device):
+        self.shards = shards
+        self.hidden_size = shards.hidden_size
+        self.layer_ids = shards.layer_ids
+        self.head = head
+        self.device = device
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetBatch:
+        rows, width = input_ids.shape
+        lengths = attention_mask.sum(-1).tolist()
+        features = torch.zeros(rows, width, 3 * self.hidden_size, dtype=self.shards.dtype)
+        last = torch.zeros(rows, width, self.hidden_size, dtype=self.shards.dtype)
+        for i, n in enumerate(lengths):
+            features[i, :n], last[i, :n] = self.shards.row(row_digest(input_ids[i, :n].tolist()))
+        return TargetBatch(features.to(self.device), *self.head(last, self.device))

@@ -1,17 +1,22 @@
 """The training loop: target features in, an EAGLE-3 draft out, resumable after ``kill -9``.
 
-Single process, or one process per device under ``torchrun`` (DDP on the draft,
-the frozen target replicated in each process; gloo on CPU, NCCL on GPU).
+Where the frozen target lives is planned first (``placement.py``): on this process's device
+(replicated; under ``torchrun`` one process per device, DDP on the draft, gloo on CPU, NCCL on GPU),
+split over every GPU in one process (sharded), or run once beforehand to write its features to
+disk (offline). The loop is the same for all three.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.data import (
+    Example,
     batch_at,
     collate,
     load_shards,
@@ -28,7 +34,15 @@ from pipeline.steps.train.data import (
     steps_per_epoch,
     token_counts,
 )
-from pipeline.steps.train.features import FeatureSource, OnlineTarget, TargetBatch
+from pipeline.steps.train.features import (
+    LOGITS_CHUNK,
+    FeatureSource,
+    OfflineFeatures,
+    OnlineTarget,
+    TargetBatch,
+    TeacherHead,
+    check_layer_ids,
+)
 from pipeline.steps.train.model import (
     Eagle3Draft,
     default_layer_ids,
@@ -37,6 +51,18 @@ from pipeline.steps.train.model import (
     soft_cross_entropy,
     vocab_map,
 )
+from pipeline.steps.train.offline import FeatureShards, is_complete, write_features
+from pipeline.steps.train.placement import (
+    Device,
+    Placement,
+    Plan,
+    draft_bytes,
+    load_head,
+    load_target,
+    measure_devices,
+    target_units,
+)
+from pipeline.steps.train.placement import plan as plan_placement
 
 
 class TrainConfig(BaseModel):
@@ -69,6 +95,9 @@ class TrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1)
     nproc: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
+    target_placement: Placement = "auto"
+    features_dir: Path | None = None
+    """Where the offline placement writes the target's features (default: OUT/features)."""
 
 
 class DraftLoss(nn.Module):
@@ -107,8 +136,25 @@ class DraftLoss(nn.Module):
         return soft_cross_entropy(self.draft.logits(out), teacher, mask)
 
 
-# Settings that do not change what is trained: a resume may change them.
-_NOT_TRAINING = {"out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads"}
+# Settings that do not change what is trained: a resume may change them. The three placements
+# train the same draft, so a run may resume under another.
+_NOT_TRAINING = {
+    "out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
+    "target_placement", "features_dir",
+}  # fmt: skip
+
+
+def _files_key(root: Path, pattern: str) -> list[tuple[str, int, int]]:
+    """(name, size, mtime) of ``root`` (a file) or of the files under it matching ``pattern``."""
+    files = sorted(f for f in root.rglob(pattern) if f.is_file()) if root.is_dir() else [root]
+    return [
+        (str(f.relative_to(root) if root.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns)
+        for f in files
+    ]
+
+
+def _digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def run_key(cfg: TrainConfig, world: int) -> str:
@@ -116,20 +162,24 @@ def run_key(cfg: TrainConfig, world: int) -> str:
 
     A rerun with other data or settings starts afresh instead of resuming someone else's run.
     """
-    files = sorted(cfg.data.rglob("*.parquet")) if cfg.data.is_dir() else [cfg.data]
     payload = {
         "config": cfg.model_dump(mode="json", exclude=_NOT_TRAINING),
-        "data": [
-            (
-                str(f.relative_to(cfg.data) if cfg.data.is_dir() else f.name),
-                f.stat().st_size,
-                f.stat().st_mtime_ns,
-            )
-            for f in files
-        ],
+        "data": _files_key(cfg.data, "*.parquet"),
         "world": world,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+    return _digest(payload)
+
+
+def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) -> Path:
+    """The offline features of this target, data, length, layers and dtype (other ones get another folder)."""
+    payload = {
+        "target": _files_key(cfg.target, "*"),
+        "data": _files_key(cfg.data, "*.parquet"),
+        "max_length": cfg.max_length,
+        "layer_ids": layer_ids,
+        "dtype": str(dtype),
+    }
+    return (cfg.features_dir or cfg.out / "features") / _digest(payload)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -155,21 +205,65 @@ def _setup_distributed() -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
-def build(cfg: TrainConfig, device: torch.device):
-    """Load the target and data, build the vocabulary map and the draft (same on every rank)."""
-    from transformers import AutoModelForCausalLM
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0: rank 0 speaks for all."""
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+def _cannot_load(cfg: TrainConfig, exc: Exception) -> ValueError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ValueError(f"--target {cfg.target}: cannot load the model: {reason}")
+
+
+@dataclass
+class Setup:
+    """What training needs before the target is loaded: the same on every rank."""
+
+    config: Any
+    dtype: torch.dtype
+    rows: list[Example]
+    train_rows: list[Example]
+    heldout: list[Example]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    layer_ids: list[int]
+    draft: Eagle3Draft
+    plan: Plan
+    longest: int
+    """The longest row: the width of the widest batch, which the plan sizes."""
+
+
+def plan_for(
+    cfg: TrainConfig, config, draft: Eagle3Draft, dtype: torch.dtype, world: int, longest: int,
+    devices: list[Device] | None = None, placement: str | None = None, draft_needs: int | None = None,
+) -> Plan:  # fmt: skip
+    """The placement plan of this training: the target's modules, the draft's needs, the devices.
+
+    Batches are sized at their widest: ``batch_size`` rows of the ``longest`` row's length.
+    """
+    batch_tokens = cfg.batch_size * longest
+    vocab = draft.config.draft_vocab_size
+    units = target_units(config, dtype, cfg.batch_size, longest, vocab, LOGITS_CHUNK)
+    if draft_needs is None:
+        element = torch.finfo(dtype).bits // 8
+        draft_needs = draft_bytes(draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element)
+    devices = devices or measure_devices(every_gpu=world == 1)
+    return plan_placement(placement or cfg.target_placement, units, devices, draft_needs, world)
+
+
+def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -> Setup:
+    """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
+    from transformers import AutoConfig
+
     try:
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device)
-    except (OSError, ValueError) as exc:  # not a model folder, weights missing or unreadable
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--target {cfg.target}: cannot load the model: {reason}") from None
+        config = AutoConfig.from_pretrained(cfg.target)
+    except (OSError, ValueError) as exc:  # not a model folder, config unreadable
+        raise _cannot_load(cfg, exc) from None
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     rows = load_shards(cfg.data, cfg.max_length)
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
     if not train_rows:
         raise ValueError(f"no training rows with assistant tokens in {cfg.data}")
-    vocab = target.config.vocab_size
+    vocab = config.vocab_size
     largest = max(max(r.input_ids) for r in rows)
     if largest >= vocab:
         raise ValueError(
@@ -177,14 +271,88 @@ def build(cfg: TrainConfig, device: torch.device):
             f"tokenize the data with {cfg.target}'s tokenizer"
         )
     d2t, t2d = vocab_map(token_counts(train_rows, vocab), cfg.draft_vocab_size)
-    layer_ids = cfg.layer_ids or default_layer_ids(target.config.num_hidden_layers)
-    draft = Eagle3Draft(draft_config(target.config, d2t.shape[0], layer_ids))
+    layer_ids = cfg.layer_ids or default_layer_ids(config.num_hidden_layers)
+    check_layer_ids(layer_ids, config.num_hidden_layers)
+    torch.manual_seed(cfg.seed)  # the same initial draft whatever was loaded before it
+    draft = Eagle3Draft(draft_config(config, d2t.shape[0], layer_ids))
+    longest = max(len(r.input_ids) for r in rows)  # rows are cut at --max-length
+    plan = plan_for(cfg, config, draft, dtype, world, longest, devices)
+    return Setup(config, dtype, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
+
+
+def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
+    try:
+        return load_target(cfg.target, dtype, plan.device_map())
+    except (OSError, ValueError) as exc:  # weights missing or unreadable
+        raise _cannot_load(cfg, exc) from None
+
+
+def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
+    """The offline placement's pass: the target, placed by the plan's features pass, writes the
+    features of every row once (a complete folder is kept as is); returns the folder."""
+    folder = features_folder(cfg, setup.layer_ids, setup.dtype)
+    if is_complete(folder):
+        log(f"features pass: complete in {folder}")
+        return folder
+    target = _load(cfg, setup.dtype, setup.plan.features)
+    source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=torch.device("cpu"))
+    pad_id = setup.config.pad_token_id if setup.config.pad_token_id is not None else 0
+    write_features(
+        source.hidden, setup.rows, folder, setup.layer_ids, setup.config.hidden_size, setup.dtype,
+        cfg.batch_size, pad_id, log,
+    )  # fmt: skip
+    del source, target  # the target's memory goes back to the devices before training starts
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return folder
+
+
+@dataclass
+class Built:
+    setup: Setup
+    source: FeatureSource
+    draft: Eagle3Draft
+    target: Any | None
+    """The loaded target (None for offline: training holds its lm_head only)."""
+
+
+def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Built:
+    """Plan the placement, load the target (or its features and lm_head), ready the draft."""
+    setup = prepare(cfg, world, devices)
+    for line in setup.plan.describe():
+        log(line)
+    device = torch.device(setup.plan.draft_device)
+    if setup.plan.placement == "offline":
+        if world > 1 and not is_complete(features_folder(cfg, setup.layer_ids, setup.dtype)):
+            raise ValueError("the offline features pass is not complete: run it in one process first")
+        folder = features_pass(cfg, setup, log)
+        lm_head, embedding = load_head(cfg.target, setup.config, setup.dtype, device)
+        head = TeacherHead(lm_head, setup.d2t, setup.t2d, LOGITS_CHUNK)
+        source: FeatureSource = OfflineFeatures(FeatureShards(folder), head, device)
+        target = None
+    else:
+        target = _load(cfg, setup.dtype, setup.plan)
+        embedding = target.get_input_embeddings().weight
+        source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=device)
+    draft = setup.draft
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-    source = OnlineTarget(target, layer_ids, d2t, t2d)
-    return target, source, draft.to(device), train_rows, heldout
+        draft.embed_tokens.weight.copy_(embedding.float())
+        draft.d2t.copy_(setup.d2t)
+        draft.t2d.copy_(setup.t2d)
+    return Built(setup, source, draft.to(device), target)
+
+
+def target_for_evaluation(cfg: TrainConfig, built: Built):
+    """The target for decoding: the one training held, or (offline) loaded now where it fits beside
+    the trained draft, which is already on its device."""
+    if built.target is not None:
+        return built.target
+    setup = built.setup
+    plan = plan_for(
+        cfg, setup.config, built.draft, setup.dtype, 1, setup.longest, placement="auto", draft_needs=0
+    )
+    return _load(cfg, setup.dtype, plan)
 
 
 def resume(folder: Path, rank: int, world: int, device: torch.device) -> tuple[int, dict | None]:
@@ -213,14 +381,19 @@ def _log(message: str) -> None:
     print(message, flush=True)  # the runner's log is a pipe: unflushed lines would arrive at exit
 
 
-def train(cfg: TrainConfig, log=_log) -> dict:
-    """Run (or resume) training to the planned number of steps; return the run's summary."""
+def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> dict:
+    """Run (or resume) training to the planned number of steps; return the run's summary.
+
+    ``devices`` overrides the measured ones (the planner's view of the machine).
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    rank, world, device = _setup_distributed()
-    torch.manual_seed(cfg.seed)
-    target, source, draft, train_rows, heldout = build(cfg, device)
-    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    rank, world, local = _setup_distributed()
+    built = build(cfg, world, devices, log if rank == 0 else _quiet)
+    setup, source, draft = built.setup, built.source, built.draft
+    train_rows, heldout = setup.train_rows, setup.heldout
+    device = torch.device(setup.plan.draft_device)
+    pad_id = setup.config.pad_token_id if setup.config.pad_token_id is not None else 0
 
     per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -230,9 +403,9 @@ def train(cfg: TrainConfig, log=_log) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
     folder = cfg.out / "checkpoints" / run_key(cfg, world)
-    start, state = resume(folder, rank, world, device)
+    start, state = resume(folder, rank, world, local)
     if state is not None:
-        draft.load_state_dict(state["draft"])
+        ckpt.restore(draft, state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         log(f"resumed from step {start} of {total}")
@@ -266,7 +439,7 @@ def train(cfg: TrainConfig, log=_log) -> dict:
                     folder,
                     done,
                     {
-                        "draft": draft.state_dict(),
+                        "draft": ckpt.trained_state(draft),
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
                     },
@@ -285,8 +458,16 @@ def train(cfg: TrainConfig, log=_log) -> dict:
         "layer_ids": list(source.layer_ids),
         "tokens_per_s_this_run": round(tokens_seen * world / elapsed, 1) if elapsed else None,
         "final": last,
+        "target_placement": setup.plan.as_dict(),
     }
-    return {"summary": summary, "target": target, "draft": draft, "heldout": heldout, "rank": rank}
+    return {
+        "summary": summary,
+        "target": built.target,
+        "draft": draft,
+        "heldout": heldout,
+        "rank": rank,
+        "built": built,
+    }
 
 
 def _metrics(stats, loss, grad_norm, world: int) -> dict:

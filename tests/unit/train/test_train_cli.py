@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch.distributed.launcher.api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -18,7 +20,8 @@ from pipeline.steps.train.train import TrainConfig
 @pytest.fixture
 def inputs(tmp_path):
     (tmp_path / "shards").mkdir()
-    LlamaConfig(num_hidden_layers=4).save_pretrained(tmp_path / "target")  # a config, no weights
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 128}
+    LlamaConfig(num_hidden_layers=4, **small).save_pretrained(tmp_path / "target")  # a config, no weights
     return {"data": tmp_path / "shards", "target": tmp_path / "target"}
 
 
@@ -80,7 +83,9 @@ def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
 ):
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert worker_main(tmp_path / "nope.json") == cli.EXIT_BAD_INPUT
-    # The target has a config but no weights: found only when a worker loads it.
+    # The data is fine and the target has a config but no weights: found only when a worker loads it.
+    rows = {"input_ids": [list(range(2, 34))] * 4, "loss_mask": [[0] * 8 + [1] * 24] * 4}
+    pq.write_table(pa.table(rows), inputs["data"] / "shard-00000.parquet")
     resolved = tmp_path / "train_config.json"
     resolved.write_text(TrainConfig(**inputs, out=tmp_path).model_dump_json())
     assert worker_main(resolved) == cli.EXIT_BAD_INPUT
@@ -124,14 +129,21 @@ def test_only_the_node_of_global_rank_0_writes_the_manifest(
         assert config.min_nodes == config.max_nodes == 2 and config.nproc_per_node == 2
         if 0 in ranks_here:  # what global rank 0's worker leaves behind
             (step / "draft").mkdir()
-            report = {"optimizer_steps": 4, "simulated": {}, "speculative_decoding": {}}
+            placement = {"placement": "replicated", "devices": []}
+            report = {
+                "optimizer_steps": 4,
+                "simulated": {},
+                "speculative_decoding": {},
+                "target_placement": placement,
+            }
             (step / "eval.json").write_text(json.dumps(report))
         return lambda *args: dict.fromkeys(ranks_here)
 
     monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", launch_here)
     assert cli.train_command(None, **inputs, nproc=2, nnodes=2) == 0
     if 0 in ranks_here:
-        assert read_manifest(step).stats["optimizer_steps"] == 4
+        stats = read_manifest(step).stats
+        assert stats["optimizer_steps"] == 4 and stats["target_placement"]["placement"] == "replicated"
     else:
         assert read_manifest(step) is None
         assert "the node of global rank 0 writes the draft and the manifest" in capsys.readouterr().err
@@ -147,3 +159,12 @@ def test_resolved_settings_round_trip(tmp_path, inputs):
         SettingsError, match=rf"^{resolved}: nproc: Input should be greater than or equal to 1"
     ):
         cli.read_resolved(resolved)
+
+
+def test_an_unknown_placement_is_one_line_naming_the_choices(inputs):
+    assert settings_error(None, {**inputs, "target_placement": "spread"}) == (
+        "--target-placement: target_placement: Input should be 'auto', 'replicated', 'sharded' or "
+        "'offline', got 'spread'"
+    )
+    with pytest.raises(SettingsError, match=r"^--target-placement offline runs on one node \(--nnodes 1\)"):
+        check_inputs(TrainConfig(**inputs, target_placement="offline", nnodes=2))

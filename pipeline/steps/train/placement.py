@@ -1,0 +1,391 @@
+"""Where the frozen target lives while the draft trains: a plan a person can read and check.
+
+- ``replicated``: the whole target on this process's device next to the draft (one copy per rank
+  under DDP).
+- ``sharded``: the target split layer by layer across every GPU of the host, in one process; the
+  draft trains on the first GPU, beside the target's first layers.
+- ``offline``: the target runs once, before training, and writes its features to disk
+  (``offline.py``); training then holds the draft and the target's lm_head only.
+- ``auto``: replicated when the target fits one device next to the draft, sharded otherwise.
+
+A plan is arithmetic over three kinds of figures: the size of each module of the target, computed
+by transformers for the model built on the meta device (nothing is read or allocated); what the
+draft needs (weights, gradients, AdamW state, activations: :func:`draft_bytes`); and each device's
+free memory (``torch.cuda.mem_get_info``; without GPUs, the memory this process really has). It is
+printed, recorded in the manifest, and its device map goes to ``from_pretrained(device_map=...)``
+as is, so what is loaded is what was planned.
+
+Weights are counted at the load dtype. A quantized checkpoint is counted as its dense model: an upper
+bound on what it needs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.memory.units import format_size
+
+Placement = Literal["auto", "replicated", "sharded", "offline"]
+# Left unplanned on every device: the allocator's fragmentation, library workspaces, and the
+# transient tensors inside one layer's forward.
+HEADROOM = 0.05
+# Bytes per saved element in the draft's activation estimate: fp32 (under bf16 autocast most saved
+# tensors are half that), and for the attention rows the fp32 softmax plus the bf16 copy autocast
+# multiplies with the values.
+_ACT_BYTES = 4
+_ATTENTION_BYTES = 4 + 2
+_LAYER = re.compile(r"\.layers\.(\d+)$")
+
+
+class PlacementError(ValueError):
+    """The target cannot be placed as asked; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    """A torch device: ``cuda:3``, ``cpu``."""
+    free: int
+    """Bytes free when measured."""
+
+    @property
+    def usable(self) -> int:
+        return int(self.free * (1 - HEADROOM))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One module the device map places whole: the embedding, a decoder layer, the final norm, the lm_head."""
+
+    module: str
+    weights: int
+    activations: int
+    """What its output holds on its device during the target's forward (the hidden states kept for
+    the features, the teacher logits on the lm_head's device)."""
+
+
+@dataclass
+class Share:
+    """One device's part of a plan."""
+
+    device: Device
+    modules: list[str] = field(default_factory=list)
+    weights: int = 0
+    activations: int = 0
+    draft: int = 0
+
+    @property
+    def planned(self) -> int:
+        return self.weights + self.activations + self.draft
+
+    @property
+    def layers(self) -> list[int]:
+        return [int(m.group(1)) for m in map(_LAYER.search, self.modules) if m]
+
+
+@dataclass
+class Plan:
+    placement: str
+    """``replicated``, ``sharded`` or ``offline``: what ``auto`` resolved to."""
+    reason: str
+    shares: list[Share]
+    features: Plan | None = None
+    """For ``offline``: where the target runs during its one pass over the data."""
+
+    @property
+    def draft_device(self) -> str:
+        return self.shares[0].device.name
+
+    def device_map(self) -> dict[str, str]:
+        return {module: share.device.name for share in self.shares for module in share.modules}
+
+    def describe(self) -> list[str]:
+        lines = [f"target placement: {self.placement} ({self.reason})"]
+        for i, share in enumerate(self.shares):
+            parts = [_describe_layers(share.layers)] if share.layers else []
+            parts += [m.rsplit(".", 1)[-1] for m in share.modules if not _LAYER.search(m)]
+            parts += ["the draft"] if share.draft else []
+            held = ", ".join(parts)
+            lines.append(
+                f"  device {i} ({share.device.name}): {held}; planned {format_size(share.planned)} "
+                f"(weights {format_size(share.weights)}, activations {format_size(share.activations)}, "
+                f"draft {format_size(share.draft)}) of {format_size(share.device.free)} free"
+            )
+        if self.features is not None:
+            lines += ["features pass: " + line.strip() for line in self.features.describe()[1:]]
+        return lines
+
+    def as_dict(self) -> dict:
+        out = {
+            "placement": self.placement,
+            "reason": self.reason,
+            "headroom_fraction": HEADROOM,
+            "devices": [
+                {
+                    "device": share.device.name,
+                    "free_bytes": share.device.free,
+                    "planned_bytes": share.planned,
+                    "weight_bytes": share.weights,
+                    "activation_bytes": share.activations,
+                    "draft_bytes": share.draft,
+                    "layers": share.layers,
+                    "modules": share.modules,
+                }
+                for share in self.shares
+            ],
+        }
+        if self.features is not None:
+            out["features_pass"] = self.features.as_dict()
+        return out
+
+
+def _describe_layers(layers: list[int]) -> str:
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}"
+    return "layers " + ",".join(map(str, layers))
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def target_units(
+    config, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int
+) -> list[Unit]:
+    """The target's modules in forward order with their bytes at ``dtype``, from the model on the meta device.
+
+    A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
+    keeps; ``logits_chunk`` positions a row of full-vocabulary logits, and the teacher over the draft
+    vocabulary, sit on the lm_head's device.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.accelerate import compute_module_sizes
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    sizes, _ = compute_module_sizes(model)
+    element = torch.finfo(dtype).bits // 8
+    batch_tokens = batch_size * length
+    hidden = batch_tokens * config.hidden_size * element  # one kept hidden state
+    base = model.base_model_prefix
+    units = []
+    for name, child in getattr(model, base).named_children():
+        module = f"{base}.{name}"
+        if isinstance(child, torch.nn.ModuleList):
+            units += [Unit(f"{module}.{i}", sizes[f"{module}.{i}"], hidden) for i in range(len(child))]
+        else:
+            keeps = hidden if name in ("embed_tokens", "norm") else 0
+            units.append(Unit(module, sizes.get(module, 0), keeps))
+    logits = batch_size * min(logits_chunk, length) * config.vocab_size * (element + 4)
+    logits += batch_tokens * draft_vocab * 4
+    heads = [Unit(name, sizes.get(name, 0), logits) for name, _ in model.named_children() if name != base]
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        # A tied lm_head shares the embedding's weight: it goes where the embedding goes.
+        return units[:1] + heads + units[1:]
+    return units + heads
+
+
+def draft_activations(
+    config, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int
+) -> tuple[int, int]:
+    """(kept, transient): the bytes autograd keeps for the draft's backward, and what the step being
+    computed holds besides, for a batch of ``batch_tokens`` positions in rows of ``length``.
+
+    Kept, per position and TTT step: about 16 hidden widths and 4 intermediate widths, and each
+    head's attention row over the ``length`` positions plus the earlier steps, counted fp32 (an
+    upper bound under bf16 autocast; checked against what autograd really keeps in
+    ``tests/unit/train/test_placement.py``). Transient: the step's scores before the softmax (the
+    product, the causal fill, the concatenation) and one loss chunk's logits.
+    """
+    rows = config.num_attention_heads * (length + ttt_steps)
+    per_position = (
+        16 * config.hidden_size + 4 * config.intermediate_size
+    ) * _ACT_BYTES + rows * _ATTENTION_BYTES
+    transient = 3 * batch_tokens * rows * _ACT_BYTES + 3 * loss_chunk * config.draft_vocab_size * 4
+    return ttt_steps * batch_tokens * per_position, transient
+
+
+def draft_bytes(
+    draft, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int, feature_bytes: int
+) -> int:
+    """What training the draft holds on its device, for ``draft`` built on any device (meta is enough).
+
+    Trainable weights with their gradients, AdamW's two moments and autocast's bf16 copy; the
+    frozen embedding and buffers as they are; the batch's target inputs (features and teacher);
+    and the activations (:func:`draft_activations`).
+    """
+    config = draft.config
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in draft.buffers())
+    inputs = batch_tokens * (3 * config.target_hidden_size * feature_bytes + config.draft_vocab_size * 4 + 1)
+    activations = sum(draft_activations(config, batch_tokens, length, ttt_steps, loss_chunk))
+    # fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), autocast's bf16 copy (2).
+    return 18 * trainable + frozen + buffers + inputs + activations
+
+
+# ---------------------------------------------------------------- planning
+
+
+def split(units: list[Unit], devices: list[Device], draft: int) -> list[Share] | None:
+    """Assign the units, in order, to the devices, the draft on the first; None if they do not fit.
+
+    First even out what the devices hold: each takes the units that bring it nearest its fair share
+    of what is left, so every device keeps room for transient tensors. If that leaves units over,
+    fill each device to its usable memory in turn.
+    """
+    for even in (True, False):
+        shares = [Share(d) for d in devices]
+        shares[0].draft = draft
+        left = sum(u.weights + u.activations for u in units) + draft
+        pending = iter(units)
+        unit = next(pending, None)
+        for i, share in enumerate(shares):
+            fair = left / (len(shares) - i)
+            while unit is not None:
+                need = unit.weights + unit.activations
+                if share.planned + need > share.device.usable or (even and share.planned + need / 2 > fair):
+                    break
+                share.modules.append(unit.module)
+                share.weights += unit.weights
+                share.activations += unit.activations
+                unit = next(pending, None)
+            left -= share.planned
+        if unit is None and shares[0].planned <= shares[0].device.usable:
+            return [s for s in shares if s.modules or s.draft]
+    return None
+
+
+def plan(placement: str, units: list[Unit], devices: list[Device], draft: int, world: int) -> Plan:
+    """Resolve ``placement`` over ``devices`` (``devices[0]`` is this process's own), or refuse with
+    the numbers."""
+    target = sum(u.weights for u in units)
+    gpus = devices[0].name.startswith("cuda")
+    if placement == "offline":
+        features = plan("auto", units, devices, 0, 1)
+        # The lm_head, what offline training holds; tied to the embedding it is counted there, but
+        # held alone it is a copy of it.
+        embedding = units[0].weights
+        head = [Unit(u.module, u.weights or embedding, u.activations) for u in units if "." not in u.module]
+        shares = split(head, devices[:1], draft)
+        if shares is None:
+            raise PlacementError(
+                f"offline training holds the draft ({format_size(draft)}) and the target's lm_head "
+                f"({format_size(sum(u.weights for u in head))}); {devices[0].name} has "
+                f"{format_size(devices[0].usable)} usable: lower --batch-size or --max-length"
+            )
+        reason = f"the target writes its features once, {features.reason}; training holds its lm_head"
+        return Plan("offline", reason, shares, features=features)
+    if placement in ("auto", "replicated"):
+        shares = split(units, devices[:1], draft)
+        if shares is not None:
+            where = devices[0].name if gpus else "this process's memory (no GPU)"
+            beside = f" next to the draft ({format_size(draft)})" if draft else ""
+            return Plan("replicated", f"the target ({format_size(target)}) fits {where}{beside}", shares)
+        if placement == "replicated" or world > 1:
+            ask = "replicated" if placement == "replicated" else "auto with several processes (replicated)"
+            raise PlacementError(
+                f"{ask}: the target ({format_size(target)} of weights) and the draft ({format_size(draft)}) "
+                f"do not fit {devices[0].name} ({format_size(devices[0].free)} free, "
+                f"{format_size(devices[0].usable)} usable): use --target-placement sharded (one process, "
+                "every GPU) or offline"
+            )
+    if world > 1:
+        raise PlacementError(
+            f"--target-placement {placement} runs in one process over every GPU: drop --nproc/--nnodes "
+            "(several processes each holding a share would need disjoint GPU sets, which eyrie does not plan)"
+        )
+    shares = split(units, devices, draft)
+    if shares is None:
+        activations = sum(u.activations for u in units)
+        needed = target + activations + draft
+        largest = max(units, key=lambda u: u.weights + u.activations)
+        free = ", ".join(f"{d.name} {format_size(d.free)} free" for d in devices)
+        raise PlacementError(
+            f"the target needs {format_size(target)} of weights, {format_size(activations)} of activations, "
+            f"the draft {format_size(draft)}: {format_size(needed)} in all, but the {len(devices)} device(s) "
+            f"have {format_size(sum(d.usable for d in devices))} usable together ({free}; "
+            f"{HEADROOM:.0%} kept as headroom; largest module {largest.module} "
+            f"{format_size(largest.weights + largest.activations)}): lower --batch-size or --max-length, "
+            "free GPU memory, or use a host with more"
+        )
+    layers = sum(len(s.layers) for s in shares)
+    reason = (
+        f"the target ({format_size(target)}) does not fit one device next to the draft: "
+        f"{layers} layers over {len(shares)} devices"
+        if placement == "auto"
+        else f"{layers} layers over {len(shares)} devices"
+    )
+    return Plan("sharded", reason, shares)
+
+
+def measure_devices(every_gpu: bool) -> list[Device]:
+    """The devices a plan may use, this process's own first: every GPU, or only this rank's
+    (``LOCAL_RANK``), with their free memory; without GPUs, the CPU with this process's share of
+    the memory budget (the node's ranks share it)."""
+    import os
+
+    import torch
+
+    from pipeline.memory.budget import memory_budget
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        others = [i for i in range(torch.cuda.device_count()) if i != local] if every_gpu else []
+        order = [local, *others]
+        return [Device(f"cuda:{i}", torch.cuda.mem_get_info(i)[0]) for i in order]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return [Device("cpu", memory_budget().available // ranks)]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_target(path, dtype, device_map: dict[str, str]):
+    """The target, each module loaded straight onto its planned device (transformers dispatches a
+    map over several devices with accelerate's hooks, which move activations between them)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+
+
+def load_head(path, config, dtype, device: str | object):
+    """(lm_head on ``device``, input embedding weight on the CPU) read by name from the checkpoint's
+    safetensors files: what offline training needs of the target, without loading the rest."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = {module: name for name, module in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    wanted = {f"{names[head]}.{p}": p for p, _ in head.named_parameters()}
+    tied = head.weight is embedding.weight
+    stored = {f"{names[head]}.weight": f"{names[embedding]}.weight"} if tied else {}
+    embedding_name = f"{names[embedding]}.weight"
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    tensors = {}
+    for name in [*wanted, embedding_name]:
+        key = stored.get(name, name)
+        file = folder / (files.get(key, "") if files is not None else "model.safetensors")
+        if not file.is_file():
+            raise ValueError(f"no tensor {key} in the safetensors files of {path}: offline training reads it")
+        with safe_open(file, framework="pt") as f:
+            if key not in f.keys():
+                raise ValueError(f"no tensor {key} in {file}: offline training reads it")
+            tensors[name] = f.get_tensor(key).to(dtype)
+    head = head.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in wanted.items():
+            head.get_parameter(param).copy_(tensors[name])
+    return head, tensors[embedding_name]
