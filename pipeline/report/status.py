@@ -25,6 +25,8 @@ VERDICT_STYLE = {
     "failed": "red",
     "timed_out": "magenta",
     "cancelled": "yellow",
+    "preempted": "yellow",
+    "node_failed": "yellow",
 }
 
 HEADLINE = {
@@ -37,6 +39,8 @@ HEADLINE = {
     "failed": "Failed",
     "timed_out": "Timed out",
     "cancelled": "Cancelled",
+    "preempted": "Preempted",
+    "node_failed": "Its node failed",
 }
 
 
