@@ -496,13 +496,19 @@ class SlurmExecutor:
         self.watcher = _Watcher()
 
     # -- before anything starts --------------------------------------------------------
+    def _default_partition(self) -> str:
+        result = _slurm("sinfo", "-h", "-o", "%P")
+        if result.returncode != 0:
+            raise ExecutorError(f"cannot ask Slurm for its partitions (sinfo: {_said(result)})")
+        default = [p.rstrip("*") for p in result.stdout.split() if p.endswith("*")]
+        if not default:
+            raise ExecutorError("Slurm has no default partition: set slurm: {partition: …} in the pipeline")
+        return default[0]
+
     def _nodes(self, partitions: set[str | None]) -> list[tuple[str, str, int]]:
         """(node name, node hostname, memory MiB) of every node in ``partitions`` (None: the default)."""
-        argv = ["sinfo", "-h", "-N", "-o", "%N|%n|%m"]
-        named = sorted(p for p in partitions if p)
-        if named:
-            argv += ["-p", ",".join(named)]
-        result = _slurm(*argv)
+        named = sorted({p or self._default_partition() for p in partitions})
+        result = _slurm("sinfo", "-h", "-N", "-p", ",".join(named), "-o", "%N|%n|%m")
         if result.returncode != 0:
             raise ExecutorError(f"cannot ask Slurm for its nodes (sinfo: {_said(result)})")
         nodes = []
@@ -510,15 +516,16 @@ class SlurmExecutor:
             name, hostname, memory = (line.split("|") + ["", ""])[:3]
             nodes.append((name, hostname, int(memory.rstrip("+")) if memory.rstrip("+").isdigit() else 0))
         if not nodes:
-            where = f"partition {', '.join(named)}" if named else "the default partition"
-            raise ExecutorError(f"Slurm lists no node in {where}; check slurm: partition in the pipeline")
+            raise ExecutorError(
+                f"Slurm lists no node in partition {', '.join(named)}; check slurm: partition in the pipeline"
+            )
         return nodes
 
     def memory_budget(self) -> Budget:
         """What one step can have: the largest node's memory. Slurm admits jobs by their --mem."""
-        partition = self.options.partition
+        partition = self.options.partition or self._default_partition()
         largest = max(memory for _, _, memory in self._nodes({partition})) * 1024 * 1024
-        where = f"partition {partition}" if partition else "the default partition"
+        where = f"partition {partition}"
         return Budget(
             available=largest, mem_total=largest, mem_available=largest, cgroup_version=None,
             binding=f"the largest node in Slurm's {where}; the cluster admits steps by their --mem",
