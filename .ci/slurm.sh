@@ -40,8 +40,12 @@ JobCompLoc=$logs/jobcomp.log
 ReturnToService=2
 KillWait=5
 MinJobAge=600
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 NodeName=$node CPUs=$(nproc) RealMemory=$memory_mib State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:16
+PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:16 PriorityTier=2
+# Jobs here are preempted (cancelled) by any job of debug that needs their memory.
+PartitionName=low Nodes=$node MaxTime=INFINITE State=UP OverSubscribe=FORCE:16 PriorityTier=1
 # A node on another host, never up: a run directory on this host's disk is refused for it.
 NodeName=elsewhere01 NodeHostname=elsewhere01.invalid NodeAddr=127.0.0.1 Port=6899 CPUs=1 RealMemory=1024 State=DOWN Reason=never_up
 PartitionName=elsewhere Nodes=elsewhere01 State=UP

@@ -180,6 +180,42 @@ def _jobs_name(job: str) -> str:
 
 
 @pytest.mark.usefixtures("cluster")
+def test_a_preempted_step_runs_again_with_the_same_limit(tmp_path):
+    # .ci/slurm.sh: jobs of partition `low` are cancelled by any job of `debug` needing their memory
+    partitions = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True).stdout.split()
+    if "low" not in partitions:
+        pytest.skip("this cluster has no preemptible partition `low` (.ci/slurm.sh makes one)")
+    pipeline = write_pipeline(tmp_path, """
+slurm: {partition: low}
+steps:
+  - name: modest
+    command: [sh, -c, "sleep 6; echo done > result.txt"]
+    memory: 256MiB
+    outputs: [result.txt]
+""")
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
+                               str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    _wait_for_state(run_dir, "modest", "RUNNING")
+    node = subprocess.run(["sinfo", "-h", "-N", "-p", "low", "-o", "%N"], capture_output=True,
+                          text=True).stdout.split()[0]  # fmt: skip
+    shown = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True).stdout
+    fields = dict(t.partition("=")[::2] for t in shown.split())
+    memory = {k: int(fields[k]) for k in ("RealMemory", "AllocMem")}
+    # all that is free, and the step's 256 MiB: it fits only once the step's job is gone
+    needed = memory["RealMemory"] - memory["AllocMem"] + 256
+    subprocess.run(["sbatch", "-p", "debug", f"--mem={needed}M", "-J", "eyrie-test-preemptor", "-o",
+                    "/dev/null", "--wrap", "sleep 2"], check=True, capture_output=True)  # fmt: skip
+    output = runner.communicate(timeout=300)[0]
+    assert runner.returncode == 0, output
+    first, second = attempts_json(run_dir)
+    assert first["verdict"] == "preempted" and "Slurm's state PREEMPTED" in first["reason"], first
+    assert second["verdict"] == "succeeded" and second["limit_bytes"] == first["limit_bytes"]
+    assert "modest: running it again (preempted, limit unchanged)" in output
+
+
+@pytest.mark.usefixtures("cluster")
 def test_nodes_runs_the_step_through_srun_with_a_torchrun_rendezvous(tmp_path):
     pytest.importorskip("torch")
     (tmp_path / "allreduce.py").write_text(
