@@ -100,6 +100,27 @@ def test_slurm_executor_gives_the_local_executors_verdicts(tmp_path):
 
 
 @pytest.mark.usefixtures("cluster")
+def test_slurms_view_decides_only_when_the_in_job_report_is_missing(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: wrapper_killed
+    # SIGKILL to the in-job wrapper (the step's parent): the job ends with no report
+    command: [sh, -c, "kill -9 $PPID; sleep 5"]
+    memory: 64MiB
+""")
+    run_dir = tmp_path / "run"
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (attempt,) = attempts_json(run_dir)
+    assert (attempt["verdict"], attempt["signal"], attempt["peak_bytes"]) == ("crashed", signal.SIGKILL, None)
+    job = attempt["location"].split()[-1]
+    assert f"decided from Slurm's state FAILED, ExitCode 0:9 for job {job} (scontrol; 1 of 1 in-job" in (
+        attempt["reason"]
+    )
+    assert not (run_dir / ".eyrie/logs/wrapper_killed/attempt-1.slurm.json").exists()
+
+
+@pytest.mark.usefixtures("cluster")
 def test_sigterm_cancels_the_runs_jobs_and_records_them_cancelled(tmp_path):
     pipeline = write_pipeline(tmp_path, """
 steps:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from eyrie_testing import eyrie
-from pipeline.run import EXECUTORS
+from pipeline.run import EXECUTORS, slurm
 from pipeline.run.executor import ExecutorError, Launch, executor_class
 from pipeline.run.slurm import SlurmOptions, _exit_status, _merge, batch_script, parse_job_record, sbatch_argv
 from pipeline.run.spec import PipelineError, load_pipeline
+from pipeline.run.verdict import Verdict, decide
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -144,3 +148,36 @@ def test_several_nodes_reports_are_one_outcome():
     assert merged["peak_bytes"] == 8 * 2**30
     assert merged["oom_at"] == 20.0 and merged["started_at"] == 10.0 and merged["ended_at"] == 30.0
     assert merged["timeline"] == [[1.0, 8 * 2**30, 4 * 2**30]]
+
+
+@pytest.mark.parametrize(
+    ("slurm_says", "report", "verdict", "reason"),
+    [
+        (("OUT_OF_MEMORY", "0:125", "scontrol"), None, Verdict.OOM_KILLED,
+         "decided from Slurm's state OUT_OF_MEMORY, ExitCode 0:125 for job 812 (scontrol; 1 of 1 in-job "
+         "report(s) missing)"),
+        (("TIMEOUT", "0:15", "sacct"), {"exit_code": None, "signal": signal.SIGTERM}, Verdict.TIMED_OUT,
+         "decided from Slurm's state TIMEOUT for job 812 (sacct) and the job's cgroup"),
+        (("NODE_FAIL", "0:0", "scontrol"), None, Verdict.NODE_FAILED, "its node failed"),
+        (None, None, Verdict.FAILED, "ended with its in-job report missing, and Slurm no longer knows it"),
+        # Slurm ends a job OUT_OF_MEMORY when a child alone was killed: the report says what happened
+        (("OUT_OF_MEMORY", "0:125", "scontrol"), {"exit_code": 0, "signal": None, "oom_kills_after": 1},
+         Verdict.CHILD_OOM_KILLED, "the main process was not the one killed"),
+    ],
+)  # fmt: skip
+def test_slurms_final_state_says_who_stopped_a_job_and_stands_in_for_a_missing_report(
+    tmp_path, monkeypatch, slurm_says, report, verdict, reason
+):
+    monkeypatch.setattr(slurm, "final_state", lambda job_id: slurm_says)
+    attempt_launch = launch(tmp_path, SlurmOptions())
+    if report is not None:
+        facts = {"exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
+                 "oom_kills_after": 0, "oom_at": None, "peak_bytes": 2**20, "anon_peak_bytes": 2**20,
+                 "timeline": []}  # fmt: skip
+        path = slurm.report_path(attempt_launch)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({**facts, **report}))
+    executor = SimpleNamespace(watcher=slurm._Watcher())
+    attempt = slurm.SlurmAttempt(executor, attempt_launch, "812", time.time())
+    decision = decide(attempt._outcome(), False, "no manifest")
+    assert decision.verdict == verdict and reason in decision.reason, decision.reason
