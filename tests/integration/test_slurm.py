@@ -183,6 +183,7 @@ steps:
     job = _wait_for_state(run_dir, "slow", "RUNNING")
     first.kill()  # no chance to cancel anything: the job runs on without its runner
     first.wait()
+    assert f"running (slurm job {job})" in eyrie("status", "--run-dir", str(run_dir), check=True).stdout
     again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm", check=True)
     assert f"found it again (slurm job {job})" in again.stdout
     attempts = attempts_json(run_dir)
