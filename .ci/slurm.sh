@@ -1,7 +1,8 @@
 # Sourced by .ci/run (as root, on a fresh Debian 12 machine): a real single-node
 # Slurm cluster from Debian's packages (slurm-wlm 22.05, munge), with memory
 # enforced through cgroups, for the slurm-marked tests. Safe to source twice:
-# daemons that already answer are left as they are.
+# daemons that already answer are left as they are (after a change to the
+# configuration below, stop them first: kill the pids in /run/eyrie-slurm*.pid).
 #
 # The node is this host; the run directories the tests use are therefore
 # "shared" with it. Cores may be shared by up to 16 jobs (OverSubscribe=FORCE),

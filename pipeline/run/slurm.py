@@ -69,6 +69,8 @@ TIME_LIMIT_MARGIN_S = 60.0
 COMMAND_TIMEOUT_S = 60.0
 SUBMIT_TRIES = 5
 """sbatch is tried again while the controller does not answer, after 1, 2, 4, 8 s."""
+ANSWER_WAITS_S = (0, 1, 2, 4, 8, 15, 30)
+"""Waits before asking a controller that did not answer again (scontrol, scancel)."""
 LOG_FOLLOW_S = 0.2
 RENDEZVOUS_PORT_BASE = 20000
 WRAPPER = [sys.executable, "-m", "pipeline.run.container_init"]
@@ -168,8 +170,18 @@ def parse_job_record(line: str) -> dict[str, str]:
 
 def final_state(job_id: str) -> tuple[str, str, str] | None:
     """(state, ExitCode 'code:signal', which command said so) once the job ended, or None when
-    Slurm no longer knows it (the controller forgot it, and there is no accounting)."""
-    shown = _slurm("scontrol", "show", "job", "-o", job_id)
+    Slurm no longer knows it (the controller forgot it, and there is no accounting). A controller
+    that does not answer is asked again: its silence is no answer."""
+    for delay in ANSWER_WAITS_S:
+        time.sleep(delay)
+        try:
+            shown = _slurm("scontrol", "show", "job", "-o", job_id)
+        except ExecutorError:
+            continue
+        if not _unreachable(_said(shown)):
+            break
+    else:
+        raise ExecutorError(f"the Slurm controller did not answer about job {job_id} for a minute")
     if shown.returncode == 0 and shown.stdout.strip():
         record = parse_job_record(shown.stdout)
         state = record.get("JobState", "")
@@ -314,11 +326,15 @@ class SlurmAttempt:
 
     def stop(self, reason: str) -> None:
         self._stopped_by = self._stopped_by or reason
-        for delay in (0, 1, 2, 4):
+        for delay in ANSWER_WAITS_S:
             time.sleep(delay)
-            result = _slurm("scancel", self.job_id)
+            try:
+                result = _slurm("scancel", self.job_id)
+            except ExecutorError:
+                continue
             if result.returncode == 0 or not _unreachable(_said(result)):
                 return
+        raise ExecutorError(f"the Slurm controller did not answer scancel {self.job_id} for a minute")
 
     # -- evidence ----------------------------------------------------------------------
     def _reports(self) -> list[dict[str, Any]]:
