@@ -158,8 +158,7 @@ def _wait_for_state(run_dir: Path, step: str, state: str, seconds: float = 60) -
 
 
 def _workdir(job: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-    return next((t.split("=", 1)[1] for t in shown.split() if t.startswith("WorkDir=")), "")
+    return next((t.split("=", 1)[1] for t in _show(job).split() if t.startswith("WorkDir=")), "")
 
 
 @pytest.mark.usefixtures("cluster")
@@ -235,6 +234,41 @@ steps:
     assert first["verdict"] == "preempted" and "Slurm's state PREEMPTED" in first["reason"], first
     assert second["verdict"] == "succeeded" and second["limit_bytes"] == first["limit_bytes"]
     assert "modest: running it again (preempted, limit unchanged)" in output
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_step_whose_node_failed_runs_again(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+steps:
+  - name: steady
+    command: [sh, -c, "sleep 6; echo done > result.txt"]
+    memory: 64MiB
+    outputs: [result.txt]
+""")
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
+                               str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    job = _wait_for_state(run_dir, "steady", "RUNNING")
+    node = next(t.split("=", 1)[1] for t in _show(job).split() if t.startswith("NodeList="))
+    try:
+        # The node is lost under the job: Slurm ends it NODE_FAIL; the retry waits for the node.
+        down = ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=eyrie-test"]
+        subprocess.run(down, check=True)
+        deadline = time.monotonic() + 60
+        while "JobState=NODE_FAIL" not in _show(job) and time.monotonic() < deadline:
+            time.sleep(0.3)
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=True)
+    output = runner.communicate(timeout=300)[0]
+    assert runner.returncode == 0, output
+    first, second = attempts_json(run_dir)
+    assert first["verdict"] == "node_failed" and "Slurm's state NODE_FAIL" in first["reason"], first
+    assert second["verdict"] == "succeeded"
+
+
+def _show(job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
 
 
 @pytest.mark.usefixtures("cluster")
