@@ -9,7 +9,6 @@ from rich.table import Table
 from pipeline.memory import format_size, memory_budget
 from pipeline.report.status import wide_console
 
-
 # The budget bounds steps that run here; a cluster's scheduler admits its jobs itself.
 CLUSTER_NOTE = (
     "under --executor slurm this budget does not apply: steps run on the cluster's nodes, "
