@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from pipeline.run import EXECUTORS
+
 app = typer.Typer(
     name="eyrie",
     help="An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded.",
@@ -38,7 +40,7 @@ def run(
     pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
     run_dir: RunDir = DEFAULT_RUN_DIR,
     executor: Annotated[
-        str, typer.Option(help="Where steps run: 'local' (a cgroup per step) or 'docker'.")
+        str, typer.Option(help=f"Where steps run: {', '.join(EXECUTORS)} (local: a cgroup per step here).")
     ] = "local",
 ) -> None:
     """Run a pipeline: each step in its own memory-limited cgroup, every attempt in the ledger."""

@@ -9,11 +9,17 @@ from rich.table import Table
 from pipeline.memory import format_size, memory_budget
 from pipeline.report.status import wide_console
 
+# The budget bounds steps that run here; a cluster's scheduler admits its jobs itself.
+CLUSTER_NOTE = (
+    "under --executor slurm this budget does not apply: steps run on the cluster's nodes, "
+    "admitted by Slurm by their --mem (each limit is checked against the largest node)"
+)
+
 
 def memory_command(json_output: bool) -> int:
     budget = memory_budget()
     if json_output:
-        print(json.dumps(budget.as_dict(), indent=2))
+        print(json.dumps({**budget.as_dict(), "note": CLUSTER_NOTE}, indent=2))
         return 0
     console = wide_console()
     version = f"cgroup v{budget.cgroup_version}" if budget.cgroup_version else "no memory cgroup"
@@ -37,4 +43,5 @@ def memory_command(json_output: bool) -> int:
         f"{format_size(budget.mem_available)}",
         highlight=False,
     )
+    console.print(f"[dim]{CLUSTER_NOTE}[/]", highlight=False)
     return 0

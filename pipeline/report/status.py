@@ -28,6 +28,8 @@ VERDICT_STYLE = {
     "failed": "red",
     "timed_out": "magenta",
     "cancelled": "yellow",
+    "preempted": "yellow",
+    "node_failed": "yellow",
 }
 
 HEADLINE = {
@@ -40,6 +42,8 @@ HEADLINE = {
     "failed": "Failed",
     "timed_out": "Timed out",
     "cancelled": "Cancelled",
+    "preempted": "Preempted",
+    "node_failed": "Its node failed",
 }
 
 
@@ -152,7 +156,7 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     shown = set()
     for row in attempts:
         shown.add(row.step)
-        verdict = row.verdict or f"running (pid {row.pid})"
+        verdict = row.verdict or f"running ({f'pid {row.pid}' if row.pid else row.location})"
         style = VERDICT_STYLE.get(row.verdict or "", "cyan")
         table.add_row(
             row.step,
@@ -184,7 +188,8 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
     """Plain sentences saying why an attempt ended as it did, and the facts behind it."""
     verdict = row.verdict
     if verdict is None:
-        return [f"{row.step} attempt {row.attempt} is still running (pid {row.pid}, {row.location})."]
+        where = f"pid {row.pid}, {row.location}" if row.pid else row.location  # a Slurm job has no pid here
+        return [f"{row.step} attempt {row.attempt} is still running ({where})."]
     lines = [f"{HEADLINE.get(verdict, verdict)}: {row.reason}."]
     if row.oom_kills:
         lines.append(

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipeline.memory import CgroupError, format_duration, format_size
-from pipeline.run.executor import Executor, Outcome
+from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
 from pipeline.run.orchestrator import Orchestrator, RunDirBusy
-from pipeline.run.spec import PipelineError, load_pipeline
+from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
@@ -63,28 +63,21 @@ class ConsoleReporter:
         self._print(f"[bold]eyrie[/] {escape(text)}")
 
 
-def make_executor(name: str) -> Executor:
-    if name == "local":
-        from pipeline.run.local import LocalExecutor
-
-        return LocalExecutor()
-    if name == "docker":
-        try:
-            from pipeline.run.docker import DockerExecutor
-        except ImportError as exc:
-            raise PipelineError(f"the docker executor is not available: {exc}") from None
-        return DockerExecutor()
-    raise PipelineError(f"--executor {name!r}: unknown executor; choose 'local' or 'docker'")
+def make_executor(name: str, spec: PipelineSpec) -> Executor:
+    """The executor registered as ``name``, given the pipeline's own options for it."""
+    cls = executor_class(name)
+    return cls(spec.executor_options(name))
 
 
 def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
     console = Console(stderr=False)
     errors = Console(stderr=True)
     try:
+        executor_class(executor_name)  # an unknown name is said before the file is read
         spec = load_pipeline(pipeline_file)
-        executor = make_executor(executor_name)
+        executor = make_executor(executor_name, spec)
         orchestrator = Orchestrator(spec, pipeline_file, run_dir, executor, ConsoleReporter(console))
-    except (PipelineError, CgroupError) as exc:
+    except (PipelineError, ExecutorError, CgroupError) as exc:
         errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
 
@@ -95,7 +88,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
     previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = orchestrator.run()
-    except (PipelineError, CgroupError, RunDirBusy) as exc:
+    except (PipelineError, ExecutorError, CgroupError, RunDirBusy) as exc:
         errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     finally:

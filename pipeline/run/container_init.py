@@ -1,21 +1,24 @@
-"""PID 1 of a step container: runs the step and reports the container's own cgroup facts.
+"""The step's wrapper inside a container (its PID 1) or a Slurm job: runs the step, reports its cgroup.
 
 ``python3 -m pipeline.run.container_init REPORT -- ARGV...``
 
-Docker removes a container's cgroup when its last process exits, so the OOM-kill
-counter and the peak can only be read from inside, while something still lives
-there. This process starts the step, watches the container's cgroup with the
-same monitor the local executor uses, and once the step's main process has
-ended (and its leftovers are killed, as the local executor kills them) writes
-the evidence to REPORT as JSON: the exact wait status (exit code or signal, not
-the shell's 128+N), the counter before and after, the peak and the timeline.
+Docker removes a container's cgroup when its last process exits, and Slurm a
+job's when the job ends, so the OOM-kill counter and the peak can only be read
+from inside, while something still lives there. This process starts the step,
+watches its own cgroup (the container's; the job's task cgroup) with the same
+monitor the local executor uses, and once the step's main process has ended
+(and its leftovers are killed, as the local executor kills them) writes the
+evidence to REPORT as JSON: the exact wait status (exit code or signal, not the
+shell's 128+N), the counter before and after, the peak and the timeline.
 
-As PID 1 it reaps every orphan, and passes SIGTERM/SIGINT on to every process
-of the container, as the local executor signals every process of a step's cgroup.
+It reaps every orphan (as PID 1, or as the children's subreaper in a job), and
+passes SIGTERM/SIGINT on to every process of its cgroup, as the local executor
+signals every process of a step's cgroup.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -28,6 +31,15 @@ from pipeline.memory import Cgroup, CgroupError, current_cgroup
 from pipeline.run.monitor import CgroupMonitor
 
 LEFTOVER_GRACE_S = 5.0
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process
+
+
+def _become_subreaper() -> None:
+    """Outside a container (a Slurm job) orphans would go to the host's init: keep them here."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux's libc: orphans are still killed through the cgroup, only reaped elsewhere
 
 
 def _others(cgroup: Cgroup) -> list[int]:
@@ -65,6 +77,7 @@ def _wait_main(main_pid: int) -> int:
 
 
 def run(report_path: Path, argv: list[str]) -> int:
+    _become_subreaper()
     cgroup = current_cgroup()
     monitor = CgroupMonitor(cgroup)
 
@@ -87,7 +100,7 @@ def run(report_path: Path, argv: list[str]) -> int:
         try:
             main = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         except OSError as exc:
-            print(f"eyrie: cannot start {argv[0]!r} in the container: {exc.strerror}", file=sys.stderr)
+            print(f"eyrie: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
             monitor.finish()
             return 127
         status = _wait_main(main.pid)

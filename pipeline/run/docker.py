@@ -32,17 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.memory import Budget, read_meminfo
-from pipeline.run.executor import STDERR_TAIL_LINES, Launch, LineSink, Outcome
+from pipeline.run.executor import STDERR_TAIL_LINES, ExecutorError, Launch, LineSink, Outcome, StepOptions
 from pipeline.run.manifest import RUN_DIR_ENV
-from pipeline.run.spec import PipelineError
 
 try:
     import docker
     import docker.errors
     import requests.exceptions
     from docker.types import DeviceRequest, Mount
-except ImportError as exc:  # the `docker` extra
-    raise ImportError(f"{exc}; install it with `pip install 'eyrie[docker]'`") from exc
+except ImportError as exc:  # the `docker` extra: needed to run steps, not to read their options
+    _SDK_MISSING: str | None = f"{exc}; install it with `pip install 'eyrie[docker]'`"
+else:
+    _SDK_MISSING = None
 
 DEFAULT_IMAGE = "eyrie-pipeline:latest"
 IMAGE_ENV = "EYRIE_IMAGE"
@@ -264,22 +265,37 @@ class DockerAttempt:
             pass
 
 
+class DockerOptions(StepOptions):
+    image: str | None = None
+    """The step's image (default: $EYRIE_IMAGE, the runner's own container's, or eyrie-pipeline:latest)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"image": self.image}
+
+
 class DockerExecutor:
     """Runs attempts as sibling containers through the engine's API (``DOCKER_HOST`` or the socket)."""
 
     name = "docker"
+    Options = DockerOptions
+    admits_by_memory = False
 
-    def __init__(self, client: docker.DockerClient | None = None, image: str | None = None) -> None:
+    def __init__(self, options: DockerOptions | None = None, client: docker.DockerClient | None = None,
+                 image: str | None = None) -> None:  # fmt: skip
+        """``options``: the pipeline's own; each launch carries them merged with its step's."""
+        if _SDK_MISSING is not None:
+            raise ExecutorError(f"the docker executor is not available: {_SDK_MISSING}")
         try:
             self.client = client or docker.from_env()
             self.client.ping()
         except docker.errors.DockerException as exc:
-            raise PipelineError(
+            raise ExecutorError(
                 f"cannot reach the Docker engine ({exc}); start dockerd, or mount its socket "
                 "(/var/run/docker.sock) into this container, or set DOCKER_HOST"
             ) from None
         self._own = self._own_container()
         own_image = self._own.image.id if self._own is not None else None
+        # for steps whose options (the pipeline's `docker:` or their own) name no image
         self.image = image or os.environ.get(IMAGE_ENV) or own_image or DEFAULT_IMAGE
 
     def _own_container(self):
@@ -305,7 +321,7 @@ class DockerExecutor:
                 best = mount
         if best is None:
             if required:
-                raise PipelineError(
+                raise ExecutorError(
                     f"{path} is not on a volume or bind mount of this container, so step containers "
                     "cannot see it; put the run directory on a volume (compose: the `runs` volume)"
                 )
@@ -348,17 +364,17 @@ class DockerExecutor:
             checks = ["the image", f"the network {network}" if network else "the network"]
             if launch.gpus:
                 checks.append("the NVIDIA Container Toolkit (the step asks for GPUs)")
-            raise PipelineError(
+            raise ExecutorError(
                 f"step {launch.step}: Docker could not start its container: {engine_says} "
                 f"(check {', '.join(checks)})"
             ) from None
 
     def _start(self, launch: Launch) -> DockerAttempt:
-        image = launch.image or self.image
+        image = (launch.options.image if isinstance(launch.options, DockerOptions) else None) or self.image
         try:
             self.client.images.get(image)
         except docker.errors.ImageNotFound:
-            raise PipelineError(
+            raise ExecutorError(
                 f"step {launch.step}: image {image!r} is not on this Docker engine; "
                 "build it with `make images` (or `make images base=local`)"
             ) from None
@@ -368,7 +384,7 @@ class DockerExecutor:
         report = launch.stderr_path.with_name(f"attempt-{launch.attempt}.container.json")
         report.unlink(missing_ok=True)
         if run_dir not in report.parents:
-            raise PipelineError(f"the attempt's log folder {report.parent} is not inside {run_dir}")
+            raise ExecutorError(f"the attempt's log folder {report.parent} is not inside {run_dir}")
 
         mounts = [self._mount_for(run_dir, read_only=False, required=True)]
         pipeline_dir = launch.env.get(PIPELINE_DIR_ENV)
@@ -409,6 +425,13 @@ class DockerExecutor:
             with contextlib.suppress(docker.errors.DockerException):
                 container.remove(force=True)
             raise
+
+    def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
+        return None  # nothing to check before a step starts
+
+    def resume(self, where: str, launch: Launch) -> None:
+        """A container whose runner died has lost its evidence reader: it is reaped."""
+        return None
 
     def reap(self, where: str) -> int:
         try:

@@ -1,26 +1,65 @@
-"""What every executor takes (a Launch) and gives back (an Outcome).
+"""What every executor takes (a Launch) and gives back (an Outcome), and the executors by name.
 
 An executor starts one attempt of one step somewhere — a local cgroup, a
-container — and reports the raw facts of how it ended. It does not judge:
-``pipeline.run.verdict.decide`` turns an Outcome plus the state of the outputs
-into a verdict, the same way for every executor.
+container, a Slurm job — and reports the raw facts of how it ended. It does not
+judge: ``pipeline.run.verdict.decide`` turns an Outcome plus the state of the
+outputs into a verdict, the same way for every executor.
+
+Executors are registered by name in ``pipeline.run.EXECUTORS``, each one module under
+``pipeline/run/`` whose class declares its own per-step options (``Options``, a
+pydantic model): the pipeline file takes them under the executor's name, for the
+whole pipeline and per step. The command line, the pipeline file's schema and
+the help text all read this one table.
 """
 
 from __future__ import annotations
 
+import importlib
 import signal as signals
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from pipeline.memory import Budget
+from pipeline.run import EXECUTORS
 
 LineSink = Callable[[str, str], None]
 """Called with (stream name 'stdout'|'stderr', line without newline) for each output line."""
 
 STDERR_TAIL_LINES = 40
+
+
+class ExecutorError(RuntimeError):
+    """An executor cannot do what was asked: its engine or cluster is unreachable or refused.
+
+    Not the pipeline file's fault (that is ``PipelineError``); the message names the step or
+    the engine, what it said, and what to check.
+    """
+
+
+class StepOptions(BaseModel):
+    """An executor's per-step options; this base has none (the local executor's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What of these options changes a step's results, and so belongs in its fingerprint."""
+        return {}
+
+
+def executor_class(name: str) -> type[Executor]:
+    """The class registered as ``name``; an unknown name is an ExecutorError listing the known ones."""
+    try:
+        module_name, class_name = EXECUTORS[name].split(":")
+    except KeyError:
+        raise ExecutorError(
+            f"--executor {name!r}: unknown executor; choose one of {', '.join(EXECUTORS)}"
+        ) from None
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 @dataclass(frozen=True)
@@ -36,8 +75,11 @@ class Launch:
     limit_bytes: int
     stdout_path: Path
     stderr_path: Path
-    image: str | None = None
     gpus: int = 0
+    timeout: float | None = None
+    """The step's timeout in seconds; the runner enforces it (a scheduler may be told it too)."""
+    options: StepOptions | None = None
+    """The executor's own options for this step (its ``Options``), the pipeline's merged with the step's."""
     on_line: LineSink | None = None
 
 
@@ -59,12 +101,15 @@ class Outcome:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     """(seconds since start, total bytes, anonymous bytes), about one point a second."""
     stopped_by: str | None = None
-    """'timeout' or 'cancel' when the runner stopped the attempt."""
+    """'timeout' or 'cancel' when the runner (or a scheduler's time limit or scancel) stopped the
+    attempt; 'preempted' or 'node_failed' when a scheduler took its node away."""
     stderr_tail: list[str] = field(default_factory=list)
     where: str = ""
     """Where it ran: the cgroup path or container id."""
     runner_error: str | None = None
     """Set when waiting for or stopping the attempt raised: how it really ended is unknown."""
+    evidence: str | None = None
+    """Where the facts came from when not from the step's own cgroup (an engine's or scheduler's view)."""
 
     @property
     def oom_kills(self) -> int:
@@ -93,14 +138,27 @@ class RunningAttempt(Protocol):
 
 class Executor(Protocol):
     name: str
+    Options: type[StepOptions]
+    """Its per-step options, taken from the pipeline file under its name."""
+    admits_by_memory: bool
+    """True when a scheduler admits attempts by their memory (Slurm): the runner then starts every
+    ready step, and checks each limit only against ``memory_budget()``, not their sum."""
 
     def memory_budget(self) -> Budget:
         """The memory the steps this executor starts share (what running steps' limits must fit)."""
+
+    def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
+        """Before anything starts: refuse, with an ExecutorError, what cannot work (``options``: each
+        step's own, by step name), so that no step runs in a run that cannot finish."""
 
     def start(self, launch: Launch) -> RunningAttempt: ...
 
     def reap(self, where: str) -> int:
         """End what is left of an attempt whose runner died (``where`` as recorded); how many died."""
+
+    def resume(self, where: str, launch: Launch) -> RunningAttempt | None:
+        """An attempt a runner that died left behind, watched again when it can be (a Slurm job
+        outlives its runner), else None: the runner then reaps it and records it cancelled."""
 
 
 class LineCapture:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pipeline.memory import Budget, Cgroup, CgroupError, memory_budget, step_parent
-from pipeline.run.executor import Launch, LineCapture, Outcome
+from pipeline.run.executor import Launch, LineCapture, Outcome, StepOptions
 from pipeline.run.monitor import CgroupMonitor
 
 STOP_GRACE_S = 5.0
@@ -91,8 +91,10 @@ class LocalExecutor:
     """Runs attempts as local processes, each in ``<this cgroup>/eyrie/<run>-<step>-<attempt>``."""
 
     name = "local"
+    Options = StepOptions
+    admits_by_memory = False
 
-    def __init__(self, parent: Cgroup | None = None) -> None:
+    def __init__(self, options: StepOptions | None = None, parent: Cgroup | None = None) -> None:
         self.parent = parent or step_parent()
 
     def cgroup_for(self, launch: Launch) -> Cgroup:
@@ -112,6 +114,13 @@ class LocalExecutor:
             time.sleep(0.05)
         cgroup.remove()
         return killed
+
+    def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
+        return None  # nothing to check before a step starts
+
+    def resume(self, where: str, launch: Launch) -> None:
+        """A step process whose runner died cannot be waited for (it is not our child): reap it."""
+        return None
 
     def start(self, launch: Launch) -> LocalAttempt:
         cgroup = self.cgroup_for(launch)

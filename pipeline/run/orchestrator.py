@@ -4,7 +4,9 @@ Steps whose needs are met run side by side while the sum of their memory
 limits fits the budget. Each attempt's outcome becomes a verdict
 (``verdict.decide``) and a ledger row. A rerun in the same run directory skips
 steps whose manifest matches their inputs; a runner killed without warning
-leaves attempts marked ``running`` that the next run closes as ``cancelled``.
+leaves attempts marked ``running``: the next run watches again those its
+executor can hand back (a Slurm job outlives its runner) and closes the others
+as ``cancelled``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.memory import format_size, read_meminfo
+from pipeline.run import EXECUTORS
 from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
-from pipeline.run.ledger import Ledger
+from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.manifest import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
@@ -44,12 +47,13 @@ from pipeline.run.manifest import (
     write_manifest,
 )
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
-from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict, decide
+from pipeline.run.verdict import DONE_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)
+TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
 
 
 class Reporter(Protocol):
@@ -136,19 +140,22 @@ class Orchestrator:
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self, ledger: Ledger) -> RunResult:
-        self._close_orphans(ledger)
+        resumed = self._close_orphans(ledger)
         budget = self.executor.memory_budget()
         pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if pool == budget.available else "the pipeline's budget"
+        where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
             if step.memory > pool:
                 raise PipelineError(
                     f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
-                    f"exceeds the {format_size(pool)} this host really has (set by {binding}); "
+                    f"exceeds the {format_size(pool)} {where} (set by {binding}); "
                     "lower it or free memory"
                 )
         for step in self.spec.steps:
             self._check_inputs(step)
+        options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
+        self.executor.preflight(self.run_dir, options)
         argvs = {s.name: self._expand(s) for s in self.spec.steps}
         order = [s.name for s in self.spec.order()]
         ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
@@ -161,6 +168,13 @@ class Orchestrator:
         limits = {s.name: s.memory for s in self.spec.steps}
         limit_reasons: dict[str, str | None] = {name: None for name in order}
         attempts_made = {name: 0 for name in order}
+        transient_retries = {name: 0 for name in order}
+        for running in resumed:
+            name = running.step.name
+            states[name], attempts_made[name] = "running", 1
+            limits[name] = running.launch.limit_bytes
+            ledger.set_step_state(self.run_id, name, "running")
+            self._watch(running)
 
         def launch_ready() -> None:
             progress = True
@@ -181,7 +195,7 @@ class Orchestrator:
                         self.reporter.skipped(name, why)
                         progress = True
                         continue
-                    if in_use + limits[name] > pool:
+                    if not self.executor.admits_by_memory and in_use + limits[name] > pool:
                         continue
                     attempts_made[name] += 1
                     self._start(ledger, step, argvs[name], fingerprint, limits[name], limit_reasons[name])
@@ -220,6 +234,11 @@ class Orchestrator:
                     finish(name, "done", str(decision.verdict))
                 elif decision.verdict == Verdict.CANCELLED or self._cancel.is_set():
                     finish(name, "cancelled", str(decision.verdict))
+                elif decision.verdict in TRANSIENT_VERDICTS and transient_retries[name] < TRANSIENT_RETRIES:
+                    transient_retries[name] += 1
+                    attempts_made[name] -= 1  # not counted against `retries`: nothing was learned
+                    states[name] = "pending"
+                    self.reporter.note(f"{name}: running it again ({decision.verdict}, limit unchanged)")
                 elif decision.verdict in step.retry_on and attempts_made[name] <= step.retries:
                     new_limit, why = self._next_limit(step, decision.verdict, limits[name], outcome, pool)
                     if new_limit is None:
@@ -278,6 +297,24 @@ class Orchestrator:
         return decisions
 
     # -- one attempt ---------------------------------------------------------------------
+    def _launch(self, step: StepSpec, attempt: int, argv: list[str], fingerprint: str, limit: int) -> Launch:
+        stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
+        return Launch(
+            run_id=self.run_id,
+            step=step.name,
+            attempt=attempt,
+            argv=argv,
+            cwd=self.run_dir / step.name,
+            env={**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint},
+            limit_bytes=limit,
+            stdout_path=stdout_path,
+            stderr_path=stderr_path,
+            gpus=step.gpus,
+            timeout=step.timeout,
+            options=self.spec.executor_options(self.executor.name, step.name),
+            on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
+        )
+
     def _start(self, ledger: Ledger, step: StepSpec, argv: list[str], fingerprint: str,
                limit: int, limit_reason: str | None) -> None:  # fmt: skip
         step_dir = self.run_dir / step.name
@@ -285,28 +322,13 @@ class Orchestrator:
         # A manifest from an earlier attempt must not make this one look complete.
         (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
         attempt = ledger.next_attempt_number(step.name)
-        stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
         meminfo = read_meminfo()
-        env = {**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint}
-        launch = Launch(
-            run_id=self.run_id,
-            step=step.name,
-            attempt=attempt,
-            argv=argv,
-            cwd=step_dir,
-            env=env,
-            limit_bytes=limit,
-            stdout_path=stdout_path,
-            stderr_path=stderr_path,
-            image=step.image,
-            gpus=step.gpus,
-            on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
-        )
+        launch = self._launch(step, attempt, argv, fingerprint, limit)
         attempt_id = ledger.begin_attempt(
             run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
             limit_bytes=limit, limit_reason=limit_reason, argv=argv,
             host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
-            image=step.image, commit_id=self.commit,
+            image=self._image(launch), commit_id=self.commit,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
         started_at = time.time()
@@ -320,9 +342,17 @@ class Orchestrator:
             )  # fmt: skip
             raise
         ledger.attempt_started(attempt_id, handle.pid, handle.where)
-        running = _Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at)
-        self._running[step.name] = running
-        threading.Thread(target=self._wait, args=(running,), name=f"wait-{step.name}", daemon=True).start()
+        self._watch(_Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at))
+
+    @staticmethod
+    def _image(launch: Launch) -> str | None:
+        """The image a step names, for the ledger (its options' fingerprint holds it, as for Docker's)."""
+        return launch.options.fingerprint().get("image") if launch.options is not None else None
+
+    def _watch(self, running: _Running) -> None:
+        self._running[running.step.name] = running
+        name = running.step.name
+        threading.Thread(target=self._wait, args=(running,), name=f"wait-{name}", daemon=True).start()
 
     def _wait(self, running: _Running) -> None:
         try:
@@ -456,11 +486,12 @@ class Orchestrator:
         payload = {
             "argv": argv,
             "env": step.env,
-            "image": step.image,
             "outputs": step.outputs,
             "needs": {n: manifest_digest(self.run_dir / n) for n in step.needs},
             "inputs": inputs,
         }
+        for executor in EXECUTORS:  # e.g. a step's Docker image: other options leave results as they are
+            payload.update(self.spec.executor_options(executor, step.name).fingerprint())
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def _up_to_date(self, step: StepSpec, fingerprint: str) -> tuple[bool, str]:
@@ -496,13 +527,24 @@ class Orchestrator:
         fh.flush()
         return _Unlock(fh)
 
-    def _close_orphans(self, ledger: Ledger) -> None:
-        """Attempts still 'running' belong to a runner that died: end what is left of them."""
+    def _close_orphans(self, ledger: Ledger) -> list[_Running]:
+        """Attempts still 'running' belong to a runner that died. Those the executor can watch
+        again (a Slurm job, found by its id) are handed back, to be waited for like any other, when
+        their step is unchanged; what is left of the others is ended and recorded cancelled."""
+        resumed = []
         for row in ledger.running_attempts():
+            running, why_not = self._resume(row)
+            if running is not None:
+                resumed.append(running)
+                self.reporter.note(
+                    f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
+                    f"before it ended; found it again ({running.handle.where}), waiting for it"
+                )
+                continue
             killed = self.executor.reap(row.location) if row.location else 0
             reason = (
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
-                f"found at the next run, {killed} leftover process(es) killed"
+                f"found at the next run{why_not}, {killed} leftover process(es) killed"
             )
             ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
                                fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
@@ -510,6 +552,25 @@ class Orchestrator:
         latest = ledger.latest_run()
         if latest and latest["state"] == "running":
             ledger.end_run(latest["run_id"], "cancelled")
+        return resumed
+
+    def _resume(self, row: AttemptRow) -> tuple[_Running | None, str]:
+        """The attempt of a dead runner watched again, or None and why not (for the cancel reason)."""
+        if row.executor != self.executor.name or not row.location:
+            return None, ""
+        try:
+            step = self.spec.step(row.step)
+        except KeyError:
+            return None, " (its step is no longer in the pipeline)"
+        argv = self._expand(step)
+        if json.loads(row.argv) != argv:
+            return None, " (its step's command changed)"
+        fingerprint = self._fingerprint(step, argv)
+        launch = self._launch(step, row.attempt, argv, fingerprint, row.limit_bytes)
+        handle = self.executor.resume(row.location, launch)
+        if handle is None:
+            return None, ""
+        return _Running(step, row.attempt, row.id, launch, handle, fingerprint, row.started_at), ""
 
 
 class _Unlock:

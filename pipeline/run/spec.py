@@ -13,11 +13,14 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from pipeline.memory import parse_duration, parse_size
+from pipeline.run import EXECUTORS
+from pipeline.run.executor import StepOptions, executor_class
 from pipeline.run.verdict import Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -42,7 +45,13 @@ class PipelineError(ValueError):
     """The pipeline file is wrong; the message names the file and the field."""
 
 
-class StepSpec(BaseModel):
+# Each executor's options, under its name: for the whole pipeline, and per step on top of that.
+_EXECUTOR_FIELDS: dict[str, Any] = {
+    name: (executor_class(name).Options | None, None) for name in EXECUTORS
+}
+
+
+class _Step(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME_RE)
@@ -60,7 +69,6 @@ class StepSpec(BaseModel):
     memory_growth: float = Field(1.5, gt=1.0, le=10.0)
     """After an OOM kill the next limit is the recorded peak (or the limit) times this."""
     env: dict[str, str] = {}
-    image: str | None = None
     gpus: int = Field(0, ge=0)
 
     @field_validator("memory")
@@ -86,7 +94,10 @@ class StepSpec(BaseModel):
         return verdicts
 
 
-class PipelineSpec(BaseModel):
+StepSpec = create_model("StepSpec", __base__=_Step, **_EXECUTOR_FIELDS)
+
+
+class _Pipeline(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "pipeline"
@@ -112,6 +123,19 @@ class PipelineSpec(BaseModel):
             if step.name == name:
                 return step
         raise KeyError(name)
+
+    def executor_options(self, executor: str, step: str | None = None) -> StepOptions | None:
+        """``executor``'s options for ``step`` (the pipeline's, with the step's own on top), or the
+        pipeline's alone; None for an executor that is not registered, such as a test's."""
+        if executor not in EXECUTORS:
+            return None
+        options = executor_class(executor).Options
+        given = [getattr(self, executor), getattr(self.step(step), executor) if step else None]
+        merged: dict[str, Any] = {}
+        for block in given:
+            if block is not None:
+                merged.update(block.model_dump(exclude_unset=True))
+        return options.model_validate(merged)
 
     def order(self) -> list[StepSpec]:
         """Steps in dependency order (file order among independent ones)."""
@@ -149,6 +173,9 @@ class PipelineSpec(BaseModel):
                     out.append(step.name)
                     frontier.append(step.name)
         return out
+
+
+PipelineSpec = create_model("PipelineSpec", __base__=_Pipeline, **_EXECUTOR_FIELDS)
 
 
 def _location(loc: tuple[Any, ...], raw: Any) -> str:

@@ -1,4 +1,4 @@
-"""One verdict per attempt, decided from evidence (DESIGN.md, "Verdicts").
+"""One verdict per attempt, decided from evidence (README.md, "Reading the ledger").
 
 Exit 137 is not evidence of an OOM kill, and neither is Docker's OOMKilled
 flag: only the cgroup's OOM-kill counter rising during the attempt is.
@@ -24,6 +24,8 @@ class Verdict(str, enum.Enum):
     FAILED = "failed"
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
+    NODE_FAILED = "node_failed"
 
     def __str__(self) -> str:
         return self.value
@@ -31,6 +33,9 @@ class Verdict(str, enum.Enum):
 
 # The step's outputs can be used: the pipeline goes on.
 DONE_VERDICTS = frozenset({Verdict.SUCCEEDED, Verdict.COMPLETED_THEN_CRASHED})
+# A scheduler took the attempt's node away (Slurm's PREEMPTED, NODE_FAIL): nothing about the
+# step is learned, so it is run again as it was, whatever its retry policy says.
+TRANSIENT_VERDICTS = frozenset({Verdict.PREEMPTED, Verdict.NODE_FAILED})
 
 _MEMORY_ERROR = re.compile(
     r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory|out of memory|OutOfMemoryError",
@@ -53,13 +58,24 @@ class Decision:
 
 def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
     """The verdict of an attempt, from what the executor saw and the state of its outputs."""
+    decision = _decide(outcome, outputs_complete, outputs_detail)
+    if outcome.evidence is None:
+        return decision
+    return Decision(decision.verdict, f"{decision.reason} (decided from {outcome.evidence})")
+
+
+def _decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
     if outcome.runner_error is not None:
         return Decision(Verdict.FAILED, f"the runner lost track of it: {outcome.runner_error}")
     ended = _ending(outcome)
     if outcome.stopped_by == "timeout":
-        return Decision(Verdict.TIMED_OUT, f"the runner stopped it at its timeout; {ended}")
+        return Decision(Verdict.TIMED_OUT, f"stopped at its timeout; {ended}")
     if outcome.stopped_by == "cancel":
-        return Decision(Verdict.CANCELLED, f"the runner cancelled it; {ended}")
+        return Decision(Verdict.CANCELLED, f"cancelled; {ended}")
+    if outcome.stopped_by == "preempted":
+        return Decision(Verdict.PREEMPTED, f"the scheduler preempted it for another job; {ended}")
+    if outcome.stopped_by == "node_failed":
+        return Decision(Verdict.NODE_FAILED, f"its node failed; {ended}")
     if outcome.oom_kills > 0:
         counter = f"oom_kill went {outcome.oom_kills_before}→{outcome.oom_kills_after} in its cgroup"
         if outcome.signal == signal.SIGKILL:
@@ -97,6 +113,8 @@ def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Dec
 
 
 def _ending(outcome: Outcome) -> str:
+    if outcome.exit_code is None and outcome.signal is None:
+        return "how the main process ended is unknown"
     if outcome.signal is not None:
         return f"the main process died of {outcome.signal_name}"
     return f"the main process exited with {outcome.exit_code}"

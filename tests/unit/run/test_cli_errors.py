@@ -55,6 +55,8 @@ def test_memory_json_reports_a_budget_no_larger_than_memavailable():
     assert 0 < budget["available"] <= budget["mem_available"] <= budget["mem_total"]
     assert budget["cgroup_version"] in (1, 2)
     assert budget["cgroups"], "the process's own cgroup chain is listed"
+    assert "--executor slurm this budget does not apply" in budget["note"]
+    assert "this budget does not apply" in eyrie("memory", check=True).stdout
 
 
 def test_a_ledger_that_cannot_be_read_is_one_line_naming_it(tmp_path):

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-docker_executor = pytest.importorskip("pipeline.run.docker")
-import docker.errors  # noqa: E402  (after the skip: the `docker` extra may be missing)
+docker_errors = pytest.importorskip("docker.errors")  # the `docker` extra
 
-from pipeline.run.executor import Launch  # noqa: E402
+from pipeline.run import docker as docker_executor  # noqa: E402
+from pipeline.run.executor import ExecutorError, Launch  # noqa: E402
 from pipeline.run.manifest import RUN_DIR_ENV  # noqa: E402
-from pipeline.run.spec import PipelineError  # noqa: E402
 
 NO_GPU_RUNTIME = 'could not select device driver "" with capabilities: [[gpu]]'
 
@@ -51,7 +50,7 @@ class FakeContainers:
         self.made = FakeContainer(start_error)
 
     def get(self, name: str):
-        raise docker.errors.NotFound(f"no container {name}")
+        raise docker_errors.NotFound(f"no container {name}")
 
     def list(self, **filters):
         return []
@@ -87,14 +86,14 @@ def launch(tmp_path: Path) -> Launch:
     return Launch(run_id="r1", step="train", attempt=1, argv=["eyrie", "train"], cwd=run_dir / "train",
                   env={RUN_DIR_ENV: str(run_dir)}, limit_bytes=2**30,
                   stdout_path=logs / "attempt-1.stdout.log", stderr_path=logs / "attempt-1.stderr.log",
-                  image="eyrie-pipeline:test", gpus=1)  # fmt: skip
+                  gpus=1, options=docker_executor.DockerOptions(image="eyrie-pipeline:test"))  # fmt: skip
 
 
 def test_a_container_the_engine_cannot_start_is_one_error_and_is_removed(tmp_path):
-    refused = docker.errors.APIError("500 Server Error: Internal Server Error", explanation=NO_GPU_RUNTIME)
+    refused = docker_errors.APIError("500 Server Error: Internal Server Error", explanation=NO_GPU_RUNTIME)
     client = FakeClient(start_error=refused)
     executor = docker_executor.DockerExecutor(client=client)
-    with pytest.raises(PipelineError) as info:
+    with pytest.raises(ExecutorError) as info:
         executor.start(launch(tmp_path))
     message = str(info.value)
     assert message.startswith("step train:") and NO_GPU_RUNTIME in message and "\n" not in message
@@ -104,7 +103,7 @@ def test_a_container_the_engine_cannot_start_is_one_error_and_is_removed(tmp_pat
 
 
 def test_a_container_the_engine_cannot_create_is_one_error(tmp_path):
-    refused = docker.errors.NotFound("404 Client Error", explanation="network eyrie_nope not found")
+    refused = docker_errors.NotFound("404 Client Error", explanation="network eyrie_nope not found")
     executor = docker_executor.DockerExecutor(client=FakeClient(create_error=refused))
-    with pytest.raises(PipelineError, match="step train: .*network eyrie_nope not found"):
+    with pytest.raises(ExecutorError, match="step train: .*network eyrie_nope not found"):
         executor.start(launch(tmp_path))

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pipeline.memory import Budget
-from pipeline.run.executor import Launch, Outcome
+from pipeline.run.executor import ExecutorError, Launch, Outcome, StepOptions
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import MANIFEST_NAME
 from pipeline.run.orchestrator import Orchestrator, RunResult
@@ -63,13 +63,27 @@ def runs_until_stopped(launch: Launch) -> FakeAttempt:
 
 class FakeExecutor:
     name = "fake"
+    Options = StepOptions
+    admits_by_memory = False
 
-    def __init__(self, behaviours: dict[str, Behaviour]) -> None:
+    def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None) -> None:
         self.behaviours = behaviours
         self.attempts: list[FakeAttempt] = []
+        self.resumable = resumable or {}  # where -> how the attempt a dead runner left ends
+        self.reaped: list[str] = []
 
     def memory_budget(self) -> Budget:
         return Budget(available=2**34, mem_total=2**35, mem_available=2**34, cgroup_version=None)
+
+    def preflight(self, run_dir: Path, options: dict) -> None:
+        return None
+
+    def resume(self, where: str, launch: Launch) -> FakeAttempt | None:
+        if where not in self.resumable:
+            return None
+        attempt = FakeAttempt(launch, self.resumable[where])
+        attempt.where = where
+        return attempt
 
     def start(self, launch: Launch) -> FakeAttempt:
         attempt = self.behaviours[launch.step](launch)
@@ -77,6 +91,7 @@ class FakeExecutor:
         return attempt
 
     def reap(self, where: str) -> int:
+        self.reaped.append(where)
         return 0
 
     def started(self, step: str) -> list[FakeAttempt]:
@@ -193,13 +208,13 @@ def test_an_error_in_the_run_stops_its_steps_and_ends_the_run(tmp_path):
 
 
 def refuses_to_start(launch: Launch) -> FakeAttempt:
-    raise PipelineError(f"step {launch.step}: Docker could not start its container: no such network")
+    raise ExecutorError(f"step {launch.step}: Docker could not start its container: no such network")
 
 
 def test_an_attempt_that_could_not_start_is_ended_and_the_run_stops(tmp_path):
     steps = [{"name": "serve"}, {"name": "prep"}]
     executor = FakeExecutor({"serve": runs_until_stopped, "prep": refuses_to_start})
-    with pytest.raises(PipelineError, match="no such network"):
+    with pytest.raises(ExecutorError, match="no such network"):
         run(tmp_path, steps, executor)
     ledger = ledger_of(tmp_path)
     assert ledger.running_attempts() == []
@@ -237,3 +252,58 @@ def test_an_attempt_the_runner_lost_track_of_ends_failed(tmp_path, wait_raises):
     (attempt,) = ledger_of(tmp_path).attempts()
     assert attempt.verdict == "failed" and "the engine closed the connection" in attempt.reason
     assert "ConnectionResetError: the engine closed the connection" in attempt.as_json()["stderr_tail"][-1]
+
+
+def in_turn(*behaviours: Behaviour) -> Behaviour:
+    pending = list(behaviours)
+    return lambda launch: pending.pop(0)(launch)
+
+
+def test_a_preempted_attempt_runs_again_without_using_up_the_retries(tmp_path):
+    preempted = ends(outcome(None, sig=signal.SIGTERM, stopped_by="preempted"))
+    lost_node = ends(outcome(None, stopped_by="node_failed"))
+    executor = FakeExecutor({"train": in_turn(preempted, lost_node, ends(outcome(0, sig=None)))})
+    assert run(tmp_path, [{"name": "train", "memory": "1GiB"}], executor).state == "succeeded"
+    attempts = ledger_of(tmp_path).attempts()
+    assert [a.verdict for a in attempts] == ["preempted", "node_failed", "succeeded"]
+    assert {a.limit_bytes for a in attempts} == {2**30}  # nothing was learned about its memory
+
+
+def test_a_step_preempted_again_and_again_ends_failed(tmp_path):
+    executor = FakeExecutor({"train": ends(outcome(None, sig=signal.SIGTERM, stopped_by="preempted"))})
+    assert run(tmp_path, [{"name": "train"}], executor).state == "failed"
+    assert [a.verdict for a in ledger_of(tmp_path).attempts()] == ["preempted"] * 4  # 1 + TRANSIENT_RETRIES
+
+
+def leave_running(tmp_path: Path, steps: list[dict], where: str, argv: list[str]) -> None:
+    """What a runner killed with SIGKILL leaves: its run and one attempt marked running."""
+    spec, path = write_pipeline(tmp_path, steps)
+    ledger = Ledger(tmp_path / "run")
+    ledger.start_run("dead-run", str(path), "fake", [s["name"] for s in steps], 2**34, "test")
+    attempt = ledger.begin_attempt(run_id="dead-run", step="train", attempt=1, executor="fake",
+                                   limit_bytes=2**26, limit_reason=None, argv=argv, host_mem_available=0,
+                                   host_mem_total=0, image=None, commit_id=None)  # fmt: skip
+    ledger.attempt_started(attempt, None, where)
+    ledger.close()
+
+
+def test_an_attempt_a_killed_runner_left_is_waited_for_not_started_again(tmp_path):
+    steps = [{"name": "train", "command": ["train", "--fast"]}, {"name": "after", "needs": ["train"]}]
+    leave_running(tmp_path, steps, "job 41", ["train", "--fast"])
+    executor = FakeExecutor({"after": ends(outcome(0))}, resumable={"job 41": outcome(0)})
+    assert run(tmp_path, steps, executor).state == "succeeded"
+    attempts = ledger_of(tmp_path).attempts()
+    assert sorted((a.step, a.attempt, a.verdict, a.location) for a in attempts) == [
+        ("after", 1, "succeeded", "fake:after-1"), ("train", 1, "succeeded", "job 41"),
+    ]  # fmt: skip
+    assert executor.started("train") == [] and executor.reaped == []
+
+
+def test_an_attempt_left_by_a_killed_runner_whose_step_changed_is_cancelled_and_run_again(tmp_path):
+    steps = [{"name": "train", "command": ["train", "--slow"]}]
+    leave_running(tmp_path, steps, "job 41", ["train", "--fast"])
+    executor = FakeExecutor({"train": ends(outcome(0))}, resumable={"job 41": outcome(0)})
+    assert run(tmp_path, steps, executor).state == "succeeded"
+    first, second = ledger_of(tmp_path).attempts()
+    assert first.verdict == "cancelled" and "its step's command changed" in first.reason
+    assert second.verdict == "succeeded" and executor.reaped == ["job 41"]
