@@ -31,6 +31,7 @@ from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
+    PIPELINE_DIR_ENV,
     RUN_DIR_ENV,
     STEP_DIR_ENV,
     STEP_NAME_ENV,
@@ -43,7 +44,6 @@ from pipeline.run.manifest import (
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict, decide
 
-PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 STATE_DIR = ".eyrie"
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)

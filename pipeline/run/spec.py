@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from pipeline.memory import parse_duration, parse_size
+from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 from pipeline.run.verdict import Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -27,7 +28,7 @@ NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # Set by the runner for each step, so left for it to expand: the run directory, the step's
 # directory and name, the folder of the pipeline file.
-RUNNER_VARIABLES = frozenset({"EYRIE_RUN_DIR", "EYRIE_STEP_DIR", "EYRIE_STEP_NAME", "EYRIE_PIPELINE_DIR"})
+RUNNER_VARIABLES = frozenset({RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV, PIPELINE_DIR_ENV})
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
