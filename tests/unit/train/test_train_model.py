@@ -108,7 +108,7 @@ def _draft_for(target, draft_vocab=48, layer_ids=(0, 2, 3)):
 def test_export_reload_gives_identical_logits(tmp_path):
     target = _tiny_target()
     draft = _draft_for(target)
-    folder = export_draft(draft, tmp_path / "draft", dtype=torch.float32)
+    folder = export_draft(draft, tmp_path / "draft", [0, 2, 3], dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 48 and config["vocab_size"] == 96
