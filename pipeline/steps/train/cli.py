@@ -22,6 +22,8 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.steps.accept.sglang import SGLangError, gpus_released
+from pipeline.steps.target import TargetError, check_target
 from pipeline.steps.train.train import TrainConfig
 
 DRAFT = "draft"
@@ -105,7 +107,7 @@ def worker(cfg: TrainConfig) -> int:
     if result["rank"] != 0:
         return 0
     target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
-    export_draft(draft, cfg.out / DRAFT, dtype=target.dtype)
+    export_draft(draft, cfg.out / DRAFT, result["summary"]["layer_ids"], dtype=target.dtype)
     pad_id = target.config.pad_token_id or 0
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t.cpu(), draft.t2d.cpu())
     started = time.monotonic()
@@ -150,11 +152,12 @@ def worker_main(resolved: Path) -> int:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    for required, what in ((cfg.data, "--data"), (cfg.target, "--target")):
-        if not required.exists():
-            raise SettingsError(f"{what} {required} does not exist (run its step first)")
-    if cfg.target.is_dir() and not (cfg.target / "config.json").is_file():
-        raise SettingsError(f"--target {cfg.target} is not a Hugging Face model folder (no config.json)")
+    if not cfg.data.exists():
+        raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")
+    try:
+        check_target(cfg.target, "--target")
+    except TargetError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
@@ -193,6 +196,28 @@ def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
     return 0, 0 in finished  # keyed by global rank
 
 
+def _train_here(cfg: TrainConfig) -> int | None:
+    """Train (in this process or under torchrun); an exit code, or None when this node's
+    rank 0 wrote the draft and eval.json, whose manifest is still to write."""
+    if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
+        resolved = cfg.out / RESOLVED
+        atomic_write_text(resolved, cfg.model_dump_json(indent=2))
+        rc, ran_rank_0 = launch_workers(cfg, resolved)
+        if rc != 0:
+            return rc
+        if not ran_rank_0:
+            # Only global rank 0 exports and evaluates: its node vouches for the outputs.
+            _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
+            return 0
+        return None
+    try:
+        worker(cfg)
+    except BAD_INPUT_ERRORS as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
+    return None
+
+
 def train_command(config_file: Path | None, **overrides) -> int:
     step_dir = step_dir_from_env()
     overrides.setdefault("out", None)
@@ -205,22 +230,14 @@ def train_command(config_file: Path | None, **overrides) -> int:
         _say(str(exc))
         return EXIT_BAD_INPUT
     cfg.out.mkdir(parents=True, exist_ok=True)
-    if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        resolved = cfg.out / RESOLVED
-        atomic_write_text(resolved, cfg.model_dump_json(indent=2))
-        rc, ran_rank_0 = launch_workers(cfg, resolved)
-        if rc != 0:
-            return rc
-        if not ran_rank_0:
-            # Only global rank 0 exports and evaluates: its node vouches for the outputs.
-            _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
-            return 0
-    else:
-        try:
-            worker(cfg)
-        except BAD_INPUT_ERRORS as exc:
-            _say(str(exc))
-            return EXIT_BAD_INPUT
+    try:
+        with gpus_released(cfg.release_target):
+            rc = _train_here(cfg)
+    except SGLangError as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
+    if rc is not None:
+        return rc
     report = json.loads((cfg.out / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
     stats = {k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding")}

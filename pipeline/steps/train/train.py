@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.steps.target import load_model
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.data import (
     batch_at,
@@ -45,7 +46,11 @@ class TrainConfig(BaseModel):
     data: Path
     """The tokenize step's shards (a folder of parquet files)."""
     target: Path
-    """The target model folder (Hugging Face)."""
+    """The target: a Hugging Face model folder, or a hub id (read from the hub's cache)."""
+    trust_remote_code: bool = False
+    """Run the code a target ships (``auto_map`` in its config), as Kimi-K2 needs."""
+    release_target: str | None = None
+    """URL of an SGLang server whose GPU memory training takes meanwhile (``accept.sglang.gpus_released``)."""
     out: Path = Path(".")
     draft_vocab_size: int = Field(32000, ge=1)
     ttt_steps: int = Field(7, ge=1)
@@ -108,7 +113,10 @@ class DraftLoss(nn.Module):
 
 
 # Settings that do not change what is trained: a resume may change them.
-_NOT_TRAINING = {"out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads"}
+_NOT_TRAINING = {
+    "out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
+    "trust_remote_code", "release_target",
+}  # fmt: skip
 
 
 def run_key(cfg: TrainConfig, world: int) -> str:
@@ -157,14 +165,8 @@ def _setup_distributed() -> tuple[int, int, torch.device]:
 
 def build(cfg: TrainConfig, device: torch.device):
     """Load the target and data, build the vocabulary map and the draft (same on every rank)."""
-    from transformers import AutoModelForCausalLM
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device)
-    except (OSError, ValueError) as exc:  # not a model folder, weights missing or unreadable
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--target {cfg.target}: cannot load the model: {reason}") from None
+    target = load_model(cfg.target, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device)
     rows = load_shards(cfg.data, cfg.max_length)
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
     if not train_rows:

@@ -1,0 +1,91 @@
+"""The target model, named by a Hugging Face hub id or a local folder, loaded with transformers.
+
+The same name serves every step that needs the target (tokenize: its tokenizer and chat
+template; train and accept: its weights). A target that ships its own code (``auto_map``
+in its config, as Kimi-K2 does) loads only with ``trust_remote_code``; without it the
+error is one line naming ``--trust-remote-code``. A checkpoint stored quantized (a
+``quantization_config`` such as compressed-tensors INT4 experts) loads through
+transformers' quantizer for its format, installed with the ``quantized`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REMOTE_CODE_FLAG = "--trust-remote-code"
+# A hub id: NAME or OWNER/NAME (letters, digits, - _ .), as the hub accepts them.
+_HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class TargetError(ValueError):
+    """The target cannot be used; the message is one line naming it and the fix."""
+
+
+def is_local(target: str | Path) -> bool:
+    return Path(target).exists() or str(target).startswith((".", "/", "~"))
+
+
+def check_target(target: str | Path, option: str) -> None:
+    """Before any work: a local target is a model folder; anything else must read as a hub id."""
+    path = Path(target)
+    if is_local(target):
+        if not path.exists():
+            raise TargetError(f"{option} {target} does not exist (run its step first, or give a hub id)")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{option} {target} is not a Hugging Face model folder (no config.json)")
+    elif not _HUB_ID_RE.match(str(target)):
+        raise TargetError(f"{option} {target!r} is neither a model folder nor a hub id (OWNER/NAME)")
+
+
+def _reason(exc: Exception, target: str | Path, option: str) -> str:
+    text = str(exc)
+    if "trust_remote_code" in text:
+        return (
+            f"{option} {target}: the model ships its own code (auto_map in its config); "
+            f"pass {REMOTE_CODE_FLAG} to run it, if you trust it"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{option} {target}: cannot load the model: {first}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings while it resolves a target's classes (e.g. "a model of type X to
+    instantiate a model of type ''" for custom code) would bury the one line that matters."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
+def load_model(target: str | Path, *, dtype: Any, trust_remote_code: bool, option: str = "--target"):
+    """The target as a causal LM (weights from its folder, or the hub's cache)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        # An explicit False: transformers then refuses custom code instead of asking on stdin.
+        with _quiet_transformers():
+            return AutoModelForCausalLM.from_pretrained(
+                str(target), dtype=dtype, trust_remote_code=trust_remote_code
+            )
+    except (OSError, ValueError, ImportError) as exc:  # no model, weights unreadable, code refused
+        raise TargetError(_reason(exc, target, option)) from None
+
+
+def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str = "--tokenizer"):
+    """The target's own tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        raise TargetError(_reason(exc, target, option)) from None
