@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 EYRIE := $(VENV)/bin/eyrie
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,ml,generate,docker,provision
+EXTRAS ?= dev,ml,generate,docker,provision,quantized
 RUN_DIR ?= runs/demo
 comma := ,
 # Recipes and everything they start (pytest, testinfra's ansible-inventory) find the venv's tools first.
@@ -50,7 +50,7 @@ lint: venv
 # images/pipeline/Dockerfile).
 IMAGES_DIR := build/images
 FLASH_ATTN_WHEELS ?= build/flash-attn
-PIPELINE_EXTRAS := ml,generate,docker
+PIPELINE_EXTRAS := ml,generate,docker,quantized
 ifeq ($(base),local)
 IMAGE_TAG ?= local
 LOCAL_BASE := eyrie-base:bookworm

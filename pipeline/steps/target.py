@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,11 @@ def check_target(target: str | Path, option: str) -> None:
 
 def _reason(exc: Exception, target: str | Path, option: str) -> str:
     text = str(exc)
+    if "compressed_tensors" in text or "compressed-tensors" in text:
+        return (
+            f"{option} {target}: the checkpoint is stored in compressed-tensors format; "
+            "install its quantizer: pip install 'eyrie[quantized]'"
+        )
     if "trust_remote_code" in text:
         return (
             f"{option} {target}: the model ships its own code (auto_map in its config); "
@@ -66,16 +72,38 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(previous)
 
 
+def _dequantized_when_loaded(target: str | Path, trust_remote_code: bool) -> dict[str, Any]:
+    """Loading arguments for a compressed-tensors checkpoint: its weights dequantized as they load.
+
+    transformers otherwise keeps them compressed until the first call of the whole model, which
+    a step that runs the inner model for features never makes (the layers would find no weight).
+    The dense weights take the full size of ``dtype``: plan the target's memory on that.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 def load_model(target: str | Path, *, dtype: Any, trust_remote_code: bool, option: str = "--target"):
     """The target as a causal LM (weights from its folder, or the hub's cache)."""
     from transformers import AutoModelForCausalLM
 
     try:
         # An explicit False: transformers then refuses custom code instead of asking on stdin.
-        with _quiet_transformers():
+        with _quiet_transformers(), warnings.catch_warnings():
+            # "the quantization_config from the model will be used": what is asked for.
+            warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
             return AutoModelForCausalLM.from_pretrained(
-                str(target), dtype=dtype, trust_remote_code=trust_remote_code
-            )
+                str(target), dtype=dtype, trust_remote_code=trust_remote_code,
+                **_dequantized_when_loaded(target, trust_remote_code),
+            )  # fmt: skip
     except (OSError, ValueError, ImportError) as exc:  # no model, weights unreadable, code refused
         raise TargetError(_reason(exc, target, option)) from None
 

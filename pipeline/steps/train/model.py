@@ -38,9 +38,9 @@ def default_layer_ids(num_layers: int) -> list[int]:
 # SGLang's EAGLE-3 draft (LlamaForCausalLMEagle3) builds its MLP with SiluAndMul only.
 DRAFT_ACTIVATIONS = ("silu",)
 # Multi-head latent attention targets (DeepSeek-V3, Kimi-K2) keep a 512-wide latent KV per
-# token; copying their 128 heads x 64 (qk_rope_head_dim) as plain KV heads would give the
-# draft 16k values per token. The draft instead uses Llama-style grouped-query attention as
-# the reference drafts of such targets do: heads of 128, 8 KV heads (2k values per token).
+# token; copying their heads (128, 64) x 64 (qk_rope_head_dim) as plain KV heads would give
+# the draft 16k or 8k cached values per token. The draft instead uses Llama-style grouped-query
+# attention, the shape of the reference drafts of such targets: heads of 128, 8 KV heads (2k).
 MLA_DRAFT_HEAD_DIM = 128
 MLA_DRAFT_KV_HEADS = 8
 
