@@ -354,7 +354,7 @@ def train(
     release_target: ReleaseTarget = "no",
 ) -> None:
     """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
-    from pipeline.steps.accept.sglang import release_url
+    from pipeline.steps.sglang import release_url
     from pipeline.steps.train.cli import train_command
 
     ids = layer_ids.split(",") if layer_ids else None  # checked with the other settings
@@ -415,7 +415,7 @@ def accept(
     from pipeline.memory.units import parse_duration
     from pipeline.steps.accept.accept import Settings
     from pipeline.steps.accept.accept import accept as run_accept
-    from pipeline.steps.accept.sglang import Speculation, release_url
+    from pipeline.steps.sglang import Speculation, release_url
 
     settings = Settings(
         draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.accept.sglang import SGLangError, gpus_released
+from pipeline.steps.sglang import SGLangError, gpus_released
 from pipeline.steps.target import TargetError, check_target
 from pipeline.steps.train.train import TrainConfig
 

@@ -50,7 +50,7 @@ class TrainConfig(BaseModel):
     trust_remote_code: bool = False
     """Run the code a target ships (``auto_map`` in its config), as Kimi-K2 needs."""
     release_target: str | None = None
-    """URL of an SGLang server whose GPU memory training takes meanwhile (``accept.sglang.gpus_released``)."""
+    """URL of an SGLang server whose GPU memory training takes meanwhile (``sglang.gpus_released``)."""
     out: Path = Path(".")
     draft_vocab_size: int = Field(32000, ge=1)
     ttt_steps: int = Field(7, ge=1)

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eyrie_testing import eyrie
 from pipeline.run.manifest import read_manifest
 from pipeline.steps.accept.accept import Settings, _server_run
-from pipeline.steps.accept.sglang import SGLangError, Speculation, gpus_released
+from pipeline.steps.sglang import SGLangError, Speculation, gpus_released
 from pipeline.steps.train.export import export_draft
 from pipeline.steps.train.model import Eagle3Draft, draft_config, vocab_map
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from eyrie_testing import REPO
-from pipeline.steps.accept.sglang import Speculation, server_argv
+from pipeline.steps.sglang import Speculation, server_argv
 
 SGLANG_DOCKERFILE = REPO / "images" / "sglang" / "Dockerfile"
 TABLES = REPO / "tests" / "fixtures" / "sglang"
