@@ -72,6 +72,17 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(previous)
 
 
+def target_config(target: str | Path, *, trust_remote_code: bool, option: str = "--target"):
+    """The target's config alone (seconds, even for a hub id): what can be checked before the weights."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet_transformers():
+            return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        raise TargetError(_reason(exc, target, option)) from None
+
+
 def _dequantized_when_loaded(target: str | Path, trust_remote_code: bool) -> dict[str, Any]:
     """Loading arguments for a compressed-tensors checkpoint: its weights dequantized as they load.
 
@@ -79,9 +90,7 @@ def _dequantized_when_loaded(target: str | Path, trust_remote_code: bool) -> dic
     a step that runs the inner model for features never makes (the layers would find no weight).
     The dense weights take the full size of ``dtype``: plan the target's memory on that.
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    config = target_config(target, trust_remote_code=trust_remote_code)
     quantization = getattr(config, "quantization_config", None) or {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     if method != "compressed-tensors":

@@ -23,7 +23,8 @@ from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.sglang import SGLangError, gpus_released
-from pipeline.steps.target import TargetError, check_target
+from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.train.model import check_draftable
 from pipeline.steps.train.train import TrainConfig
 
 DRAFT = "draft"
@@ -156,8 +157,13 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")
     try:
         check_target(cfg.target, "--target")
+        config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
     except TargetError as exc:
         raise SettingsError(str(exc)) from None
+    try:  # what the served draft could not run is refused before the weights load
+        check_draftable(config)
+    except ValueError as exc:
+        raise SettingsError(f"--target {cfg.target}: {exc}") from None
 
 
 def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:

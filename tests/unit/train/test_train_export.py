@@ -105,3 +105,14 @@ def test_the_draft_loads_strictly_and_refuses_a_folder_with_other_tensors(tmp_pa
     save_file(weights, folder / WEIGHTS)
     with pytest.raises(ValueError, match="norm.weight"):
         load_draft(folder, embedding)
+
+
+def test_the_train_step_refuses_such_a_target_before_reading_its_weights(tmp_path):
+    from pipeline.steps.train.cli import SettingsError, check_inputs
+    from pipeline.steps.train.train import TrainConfig
+
+    _target(hidden_act="gelu").save_pretrained(tmp_path / "target")  # a config, no weights at all
+    (tmp_path / "shards").mkdir()
+    cfg = TrainConfig(data=tmp_path / "shards", target=tmp_path / "target")
+    with pytest.raises(SettingsError, match=r"--target .*target: the target's hidden_act is 'gelu'"):
+        check_inputs(cfg)
