@@ -402,7 +402,7 @@ def accept(
     prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,
-    tp: Annotated[int, typer.Option(min=1, help="SGLang tensor parallelism: the GPUs it spans.")] = 1,
+    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism: the GPUs it spans (sglang).")] = 1,
     startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
     request_timeout: Annotated[str, typer.Option()] = "10m",
     trust_remote_code: TrustRemoteCode = False,

@@ -69,6 +69,8 @@ def check(settings: Settings) -> None:
         raise AcceptError(f"--draft {settings.draft} is not an exported draft (no config.json): run train")
     if not settings.data.exists():
         raise AcceptError(f"--data {settings.data} does not exist (run tokenize first)")
+    if settings.engine == "sglang" and settings.tp < 1:
+        raise AcceptError(f"--tp {settings.tp}: SGLang spans at least one GPU")
     spec = settings.speculation
     if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
         raise AcceptError("--num-steps, --topk and --num-draft-tokens must each be at least 1")

@@ -62,7 +62,7 @@ def _accept_argv(inputs: dict[str, Path], *extra: str) -> list[str]:
         "accept", "--engine", "chain", "--draft", str(inputs["draft"]), "--target", str(inputs["target"]),
         "--data", str(inputs["data"]), "--heldout-fraction", "0.3", "--max-length", "64",
         "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4", "--prompts", "3",
-        "--max-new-tokens", "8", *extra,
+        "--max-new-tokens", "8", "--tp", "0", *extra,
     ]  # fmt: skip
 
 
