@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 EYRIE := $(VENV)/bin/eyrie
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,ml,generate,docker,provision
+EXTRAS ?= dev,ml,generate,docker,provision,quantized
 RUN_DIR ?= runs/demo
 comma := ,
 # Recipes and everything they start (pytest, testinfra's ansible-inventory) find the venv's tools first.
@@ -50,7 +50,7 @@ lint: venv
 # images/pipeline/Dockerfile).
 IMAGES_DIR := build/images
 FLASH_ATTN_WHEELS ?= build/flash-attn
-PIPELINE_EXTRAS := ml,generate,docker
+PIPELINE_EXTRAS := ml,generate,docker,quantized
 ifeq ($(base),local)
 IMAGE_TAG ?= local
 LOCAL_BASE := eyrie-base:bookworm
@@ -80,7 +80,8 @@ images: venv image-base
 		images/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) $(PIPELINE_EXTRAS) "$(TORCH_SPEC)" $(FLASH_ATTN_WHEEL)
 	docker build $(IMAGE_BASE_ARG) -t eyrie-pipeline:$(IMAGE_TAG) \
 		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
-	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) images/sglang
+	PIP=$(VENV)/bin/pip images/wheelhouse.sh $(IMAGES_DIR)/sglang $(WHEEL_PYTHON) ""
+	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) -f images/sglang/Dockerfile $(IMAGES_DIR)/sglang
 
 # The flash-attn wheel, compiled in images/flash-attn's builder stage by
 # `eyrie build flash-attn` and exported to $(FLASH_ATTN_WHEELS), where `make

@@ -16,9 +16,36 @@ import time
 from pathlib import Path
 
 from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
-from pipeline.steps.train.evaluate import real_acceptance
+from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
+
+
+def measure(cfg: TrainConfig, eval_prompts: int, max_new_tokens: int = 64) -> dict:
+    """Train with ``cfg``, then measure acceptance on its held-out rows."""
+    started = time.monotonic()
+    result = train(cfg, log=lambda _: None)
+    train_s = time.monotonic() - started
+    target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
+    source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
+    simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
+    started = time.monotonic()
+    real = real_acceptance(
+        target, draft, heldout[:eval_prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
+    )
+    decode_s = time.monotonic() - started
+    return {
+        "threads": cfg.threads,
+        "steps": cfg.max_steps,
+        "train_s": round(train_s, 1),
+        "train_tokens_per_s": result["summary"]["tokens_per_s_this_run"],
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "acc": [round(a, 3) for a in simulated["acc"]],
+        "simulated_acceptance_length": round(simulated["acceptance_length"], 2),
+        "real_acceptance_length": round(real["acceptance_length"], 2),
+        "verify_forwards": real["verify_forwards"],
+        "decode_s": round(decode_s, 1),
+    }
 
 
 def main() -> None:
@@ -36,33 +63,7 @@ def main() -> None:
             max_steps=args.steps, heldout_fraction=0.15, checkpoint_every=10**9,
             threads=args.threads,
         )  # fmt: skip
-        started = time.monotonic()
-        result = train(cfg, log=lambda _: None)
-        train_s = time.monotonic() - started
-        target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
-        source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
-        simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
-        started = time.monotonic()
-        real = real_acceptance(
-            target, draft, heldout[: args.eval_prompts], cfg.ttt_steps, 64, target.config.eos_token_id
-        )
-        decode_s = time.monotonic() - started
-    print(
-        json.dumps(
-            {
-                "threads": args.threads,
-                "steps": args.steps,
-                "train_s": round(train_s, 1),
-                "train_tokens_per_s": result["summary"]["tokens_per_s_this_run"],
-                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                "acc": [round(a, 3) for a in simulated["acc"]],
-                "simulated_acceptance_length": round(simulated["acceptance_length"], 2),
-                "real_acceptance_length": round(real["acceptance_length"], 2),
-                "verify_forwards": real["verify_forwards"],
-                "decode_s": round(decode_s, 1),
-            }
-        )
-    )
+        print(json.dumps(measure(cfg, args.eval_prompts)))
 
 
 if __name__ == "__main__":

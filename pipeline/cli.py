@@ -33,6 +33,21 @@ ReadRunDir = Annotated[
 ]
 RUNS = Path("runs")
 DEFAULT_RUN_DIR = RUNS / "default"
+# A permission, not a setting of what is computed: a pipeline grants it through the environment.
+TrustRemoteCode = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        envvar="EYRIE_TRUST_REMOTE_CODE",
+        help="Run the code the target ships (auto_map in its config; Kimi-K2 needs it).",
+    ),
+]
+ReleaseTarget = Annotated[
+    str,
+    typer.Option(
+        help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'.",
+    ),
+]
 
 
 @app.command()
@@ -103,11 +118,19 @@ def memory(
 @app.command()
 def prep(
     catalog: Annotated[
-        Path | None, typer.Option(help="Catalog YAML of sources (default: the shipped ten-source mix).")
+        Path | None,
+        typer.Option(help="Catalog YAML of sources, or 'default' (the shipped ten-source mix, the default)."),
     ] = None,
     offline: Annotated[
-        bool, typer.Option(help="Read each source's local 'sample:' file instead of the hub.")
+        bool,
+        typer.Option(
+            "--offline/--online",
+            help="Read each source's local 'sample:' file (offline) or the hub and local files (online).",
+        ),
     ] = False,
+    quota: Annotated[
+        int, typer.Option(min=0, help="At most N records per source; 0: the catalog's own quotas.")
+    ] = 0,
     out_dir: Annotated[
         Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
     ] = None,
@@ -123,13 +146,16 @@ def prep(
     from pipeline.steps.prep.prep import prep as run_prep
 
     raise typer.Exit(
-        run_prep(catalog, out_dir, offline=offline, seed=seed, workers=workers, worker_memory=worker_memory)
+        run_prep(
+            catalog, out_dir, offline=offline, seed=seed, quota=quota or None, workers=workers,
+            worker_memory=worker_memory,
+        )  # fmt: skip
     )
 
 
 @app.command()
 def tokenize(
-    tokenizer: Annotated[Path, typer.Option(help="The target's tokenizer folder.")],
+    tokenizer: Annotated[str, typer.Option(help="The target: a model folder or a hub id (its tokenizer).")],
     conversations: Annotated[
         list[Path] | None, typer.Option(help="A conversations .jsonl file (repeatable).")
     ] = None,
@@ -153,6 +179,7 @@ def tokenize(
     worker_memory: Annotated[
         str, typer.Option(help="Memory one worker may use; divides the budget into workers.")
     ] = "256MiB",
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
     from pipeline.steps.prep.tokenize import tokenize as run_tokenize
@@ -168,6 +195,7 @@ def tokenize(
             shard_rows=shard_rows,
             workers=workers,
             worker_memory=worker_memory,
+            trust_remote_code=trust_remote_code,
         )
     )
 
@@ -315,7 +343,7 @@ def build_flash_attn(
 @app.command()
 def train(
     data: Annotated[Path, typer.Option(help="Tokenized shards (the tokenize step's folder).")],
-    target: Annotated[Path, typer.Option(help="The target model folder (Hugging Face).")],
+    target: Annotated[Path, typer.Option(help="The target: a model folder or a hub id.")],
     config: Annotated[Path | None, typer.Option(help="YAML of training settings.")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: the step dir).")] = None,
     draft_vocab_size: Annotated[int | None, typer.Option(help="Draft vocabulary (default 32000).")] = None,
@@ -323,7 +351,9 @@ def train(
     layer_ids: Annotated[str | None, typer.Option(help="Feature layers, e.g. '1,15,28'.")] = None,
     lr: Annotated[float | None, typer.Option()] = None,
     epochs: Annotated[float | None, typer.Option()] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps (overrides epochs).")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps (overrides epochs; 0: by epochs).")
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(help="Rows per process per step.")] = None,
     max_length: Annotated[int | None, typer.Option()] = None,
     seed: Annotated[int | None, typer.Option()] = None,
@@ -342,8 +372,11 @@ def train(
         Path | None,
         typer.Option(help="Offline placement: the folder of the target's features (OUT/features)."),
     ] = None,
+    trust_remote_code: TrustRemoteCode = False,
+    release_target: ReleaseTarget = "no",
 ) -> None:
     """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
+    from pipeline.steps.sglang import release_url
     from pipeline.steps.train.cli import train_command
 
     ids = layer_ids.split(",") if layer_ids else None  # checked with the other settings
@@ -358,7 +391,7 @@ def train(
             layer_ids=ids,
             lr=lr,
             epochs=epochs,
-            max_steps=max_steps,
+            max_steps=max_steps or None,
             batch_size=batch_size,
             max_length=max_length,
             seed=seed,
@@ -371,8 +404,52 @@ def train(
             nnodes=nnodes,
             target_placement=target_placement,
             features_dir=features_dir,
+            trust_remote_code=trust_remote_code or None,
+            release_target=release_url(release_target),
         )  # fmt: skip
     )
+
+
+@app.command()
+def accept(
+    draft: Annotated[Path, typer.Option(help="The exported draft (the train step's draft/).")],
+    target: Annotated[str, typer.Option(help="The target: a model folder or a hub id.")],
+    data: Annotated[Path, typer.Option(help="The tokenize step's shards (held-out rows are the prompts).")],
+    engine: Annotated[
+        str, typer.Option(help="'sglang' (serve target + draft on the GPUs) or 'chain' (CPU).")
+    ] = "sglang",
+    num_steps: Annotated[int, typer.Option(help="Draft passes per target forward (SGLang's).")] = 3,
+    topk: Annotated[int, typer.Option(help="Branches per draft pass (SGLang's eagle top-k).")] = 1,
+    num_draft_tokens: Annotated[int, typer.Option(help="Tokens verified per target forward.")] = 4,
+    heldout_fraction: Annotated[float, typer.Option(help="The fraction training held out.")] = 0.05,
+    max_length: Annotated[int, typer.Option(help="Row length training used.")] = 2048,
+    prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,
+    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism: the GPUs it spans (sglang).")] = 1,
+    startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
+    request_timeout: Annotated[str, typer.Option()] = "10m",
+    trust_remote_code: TrustRemoteCode = False,
+    release_target: ReleaseTarget = "no",
+    out_dir: Annotated[
+        Path | None, typer.Option(help="Where accept.json goes (default: the step dir, else the cwd).")
+    ] = None,
+) -> None:
+    """Accept length and output tokens/s of the draft, against the same decoder without it."""
+    from pipeline.memory.units import parse_duration
+    from pipeline.steps.accept.accept import Settings
+    from pipeline.steps.accept.accept import accept as run_accept
+    from pipeline.steps.sglang import Speculation, release_url
+
+    settings = Settings(
+        draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]
+        speculation=Speculation(draft, num_steps, topk, num_draft_tokens),
+        heldout_fraction=heldout_fraction, max_length=max_length, prompts=prompts,
+        max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
+        trust_remote_code=trust_remote_code, release_target=release_url(release_target),
+        startup_timeout_s=parse_duration(startup_timeout), request_timeout_s=parse_duration(request_timeout),
+    )  # fmt: skip
+    raise typer.Exit(run_accept(settings, out_dir))
 
 
 embedded_app = typer.Typer(help="The embedded default: the tiny target and its data.", no_args_is_help=True)

@@ -34,7 +34,7 @@ from pipeline.report.run_chart import Legend, run_chart
 from pipeline.report.status import HEADLINE, exit_text, explain, open_ledger, resolve_run_dir, unreadable
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.manifest import atomic_write_text
+from pipeline.run.manifest import atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }
@@ -131,6 +131,41 @@ def _run_section(ledger: Ledger, run: dict) -> str:
     return head + svg + _legend(legend)
 
 
+# What a step that measured a draft (``eyrie accept``) keeps in its manifest's stats.
+_ACCEPTANCE = [
+    ("engine", "engine"),
+    ("accept length", "accept_length"),
+    ("output tok/s with the draft", "output_tokens_per_s"),
+    ("output tok/s without", "baseline_output_tokens_per_s"),
+    ("speed-up", "speedup"),
+    ("prompts", "prompts"),
+    ("steps / top-k / draft tokens", None),
+]
+
+
+def acceptance_table(run_dir: Path, steps: list[str]) -> str:
+    """The draft's accept length and tokens/s, for each step whose manifest records them."""
+    rows = []
+    for step in steps:
+        manifest = read_manifest(run_dir / step)
+        stats = manifest.stats if manifest else {}
+        if "accept_length" not in stats:
+            continue
+        cells = []
+        for _, key in _ACCEPTANCE:
+            value = (
+                f"{stats.get('num_steps')} / {stats.get('topk')} / {stats.get('num_draft_tokens')}"
+                if key is None
+                else stats.get(key)
+            )
+            cells.append(f"<td>{esc('-' if value is None else str(value))}</td>")
+        rows.append(f"<tr><td>{esc(step)}</td>{''.join(cells)}</tr>")
+    if not rows:
+        return ""
+    head = "".join(f"<th>{esc(name)}</th>" for name, _ in _ACCEPTANCE)
+    return f"<h2>The draft</h2><table><tr><th>step</th>{head}</tr>{''.join(rows)}</table>"
+
+
 def render(ledger: Ledger, run_dir: Path) -> str:
     attempts = ledger.attempts()
     latest = ledger.latest_run()
@@ -170,6 +205,7 @@ def render(ledger: Ledger, run_dir: Path) -> str:
         f"{runs}<h2>Attempts</h2>"
         "<table><tr><th>step</th><th>attempt</th><th>verdict</th><th>exit</th><th>peak / limit</th>"
         f"<th>OOM kills</th><th>duration</th><th>records</th></tr>{''.join(rows)}</table>"
+        f"{acceptance_table(run_dir, list(dict.fromkeys(a.step for a in attempts)))}"
         f"{''.join(sections)}</body></html>"
     )
 

@@ -15,6 +15,9 @@ process of the container was OOM-killed; 137 is any SIGKILL):
   PID 1 was killed), and can only add kills, never remove them;
 - the outputs, judged by the orchestrator as for every executor.
 
+Besides the run directory, a step container sees the pipeline file's folder and the
+Hugging Face cache (``$HF_HOME``), at the paths they have for the orchestrator.
+
 The orchestrator may itself run in a container (compose's ``pipeline``
 service, with the engine's socket mounted): then mounts are resolved from that
 container's own mounts, and the steps join its network and use its image.
@@ -33,7 +36,7 @@ from typing import Any
 
 from pipeline.memory import Budget, read_meminfo
 from pipeline.run.executor import STDERR_TAIL_LINES, ExecutorError, Launch, LineSink, Outcome, StepOptions
-from pipeline.run.manifest import RUN_DIR_ENV
+from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
 try:
     import docker
@@ -48,7 +51,7 @@ else:
 DEFAULT_IMAGE = "eyrie-pipeline:latest"
 IMAGE_ENV = "EYRIE_IMAGE"
 NETWORK_ENV = "EYRIE_DOCKER_NETWORK"
-PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
+HF_HOME_ENV = "HF_HOME"
 STOP_GRACE_S = 5.0
 STOP_RESEND_S = 0.5
 EVENT_SETTLE_S = 2.0
@@ -390,6 +393,10 @@ class DockerExecutor:
         pipeline_dir = launch.env.get(PIPELINE_DIR_ENV)
         if pipeline_dir and run_dir not in Path(pipeline_dir).resolve().parents:
             mounts.append(self._mount_for(Path(pipeline_dir).resolve(), read_only=True, required=False))
+        if launch.env.get(HF_HOME_ENV):
+            # A target named by hub id is read from the cache once, by every step (compose: the
+            # models volume SGLang downloads it into).
+            mounts.append(self._mount_for(Path(launch.env[HF_HOME_ENV]), read_only=False, required=False))
         unique = {m["Target"]: m for m in mounts if m is not None}
 
         device_requests = [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None

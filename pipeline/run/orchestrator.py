@@ -18,7 +18,6 @@ import json
 import math
 import os
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.manifest import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
+    PIPELINE_DIR_ENV,
     RUN_DIR_ENV,
     STEP_DIR_ENV,
     STEP_NAME_ENV,
@@ -46,11 +46,9 @@ from pipeline.run.manifest import (
     sha256_file,
     write_manifest,
 )
-from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
+from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.verdict import DONE_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
-PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
-_VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
@@ -446,20 +444,26 @@ class Orchestrator:
         }
 
     def _expand(self, step: StepSpec) -> list[str]:
+        """The step's argv with the runner's variables and the step's ``env`` expanded
+        (settings from the environment were expanded when the file was loaded)."""
         variables = {**self._eyrie_env(step), **step.env}
 
-        def substitute(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name in variables:
+        def lookup(name: str, default: str | None) -> str:
+            if variables.get(name):
                 return variables[name]
-            if name in os.environ:
-                return os.environ[name]
-            raise PipelineError(
-                f"{self.pipeline_path}: steps ({step.name}).command: unknown variable ${{{name}}}; "
-                f"known: {', '.join(sorted(variables))} and the environment"
-            )
+            if default is not None:
+                return default
+            if name in variables:
+                return ""
+            raise UnknownVariable(name)
 
-        return [_VAR_RE.sub(substitute, arg) for arg in step.command]
+        try:
+            return [substitute(arg, lookup) for arg in step.command]
+        except UnknownVariable as exc:
+            raise PipelineError(
+                f"{self.pipeline_path}: steps ({step.name}).command: unknown variable ${{{exc.args[0]}}}; "
+                f"known here: {', '.join(sorted(variables))}"
+            ) from None
 
     def _missing_input(self, step: StepSpec, path: Path) -> PipelineError:
         what = "is not a file" if path.exists() else "does not exist"

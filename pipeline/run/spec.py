@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,9 +23,15 @@ from pydantic import (
 from pipeline.memory import parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
+from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 from pipeline.run.verdict import Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+# ${NAME} or ${NAME:-default} (the default when NAME is unset or empty), as in compose files.
+VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# Set by the runner for each step, so left for it to expand: the run directory, the step's
+# directory and name, the folder of the pipeline file.
+RUNNER_VARIABLES = frozenset({RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV, PIPELINE_DIR_ENV})
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
@@ -43,6 +51,24 @@ DEFAULT_RETRY_ON = [Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY
 
 class PipelineError(ValueError):
     """The pipeline file is wrong; the message names the file and the field."""
+
+
+class UnknownVariable(KeyError):
+    pass
+
+
+def substitute(text: str, lookup) -> str:
+    """``text`` with each ``${NAME}`` / ``${NAME:-default}`` replaced by ``lookup(name, default)``.
+
+    ``lookup`` returns the value, or None to leave the reference as written; it raises
+    UnknownVariable for a name it cannot resolve.
+    """
+
+    def one(match: re.Match[str]) -> str:
+        value = lookup(match.group(1), match.group(2))
+        return match.group(0) if value is None else value
+
+    return VARIABLE_RE.sub(one, text)
 
 
 # Each executor's options, under its name: for the whole pipeline, and per step on top of that.
@@ -194,8 +220,52 @@ def _location(loc: tuple[Any, ...], raw: Any) -> str:
     return "".join(parts) or "(top level)"
 
 
-def load_pipeline(path: str | Path) -> PipelineSpec:
-    """Read and validate a pipeline file; any problem is one PipelineError line naming file and key."""
+def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
+    """Every ``${NAME}`` / ``${NAME:-default}`` in the file's values, from ``environ``.
+
+    Settings come from the environment before anything is validated, so a limit, an image
+    or a GPU count can be one. The runner's own variables, and names a step sets in its
+    ``env:``, are left for the runner to expand when the step starts.
+    """
+
+    def walk(node: Any, where: tuple, step_env: frozenset[str]) -> Any:
+        if isinstance(node, dict):
+            if len(where) == 2 and where[0] == "steps" and isinstance(node.get("env"), dict):
+                step_env = frozenset(node["env"])
+            return {key: walk(value, (*where, key), step_env) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(value, (*where, i), step_env) for i, value in enumerate(node)]
+        if not isinstance(node, str):
+            return node
+
+        def lookup(name: str, default: str | None) -> str | None:
+            if name in RUNNER_VARIABLES or name in step_env:
+                return None
+            if environ.get(name):
+                return environ[name]
+            if default is not None:
+                return default
+            if name in environ:  # set but empty, and no default
+                return ""
+            raise UnknownVariable(name)
+
+        try:
+            return substitute(node, lookup)
+        except UnknownVariable as exc:
+            raise PipelineError(
+                f"{path}: {_location(where, raw)}: unknown variable ${{{exc.args[0]}}}: not set in the "
+                f"environment; set it, or give a default: ${{{exc.args[0]}:-VALUE}}"
+            ) from None
+
+    return walk(raw, (), frozenset())
+
+
+def load_pipeline(path: str | Path, environ: Mapping[str, str] | None = None) -> PipelineSpec:
+    """Read and validate a pipeline file; any problem is one PipelineError line naming file and key.
+
+    ``${NAME}`` and ``${NAME:-default}`` in its values are settings from ``environ`` (default:
+    this process's environment).
+    """
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -215,6 +285,7 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
         raise PipelineError(f"{path}{where}: invalid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise PipelineError(f"{path}: expected a mapping with a 'steps' list at the top level")
+    raw = _expand_settings(raw, path, os.environ if environ is None else environ)
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as exc:

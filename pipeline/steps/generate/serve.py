@@ -1,4 +1,4 @@
-"""Serve a local model folder with ``transformers serve`` for the duration of a step.
+"""Serve a model for the duration of a step: ``transformers serve``, or any server (``running_server``).
 
 The embedded default has no SGLang server: the generation step starts the Hugging
 Face server on a free loopback port (offline, CPU), waits for ``/health`` and stops
@@ -85,6 +85,16 @@ def transformers_serve(
     # OpenMP threads spin against each other (measured: 32 tokens took 7.1 s on 2 threads of a
     # loaded 2-core machine, 0.8 s on one). Concurrency comes from requests, not from threads.
     env.setdefault("OMP_NUM_THREADS", "1")
+    with running_server("transformers serve", argv, env, url, log_path, startup_timeout_s):
+        yield url
+
+
+@contextlib.contextmanager
+def running_server(
+    name: str, argv: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout_s: float
+) -> Iterator[None]:
+    """Run a server as the step's child (in its cgroup, stopped with it) until the block ends;
+    the block starts once ``URL/health`` answers 200."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
@@ -92,18 +102,18 @@ def transformers_serve(
             start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
     try:
-        _wait_healthy(process, url, log_path, startup_timeout_s)
-        yield url
+        _wait_healthy(name, process, url, log_path, startup_timeout_s)
+        yield
     finally:
         _stop(process)
 
 
-def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+def _wait_healthy(name: str, process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServeError(
-                f"transformers serve exited with {process.returncode} before it was healthy "
+                f"{name} exited with {process.returncode} before it was healthy "
                 f"(log {log_path}: {_tail(log_path)})"
             )
         try:
@@ -113,7 +123,7 @@ def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.25)
-    raise ServeError(f"transformers serve at {url} was not healthy after {timeout_s:.0f}s (log {log_path})")
+    raise ServeError(f"{name} at {url} was not healthy after {timeout_s:.0f}s (log {log_path})")
 
 
 def _stop(process: subprocess.Popen) -> None:

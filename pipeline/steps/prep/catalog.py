@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_CATALOG = Path(__file__).with_name("catalog.yaml")
+DEFAULT_CATALOG_NAME = "default"  # how a command line names the shipped catalog
 
 Format = Literal["messages", "sharegpt", "pairs", "tokenized"]
 
@@ -102,6 +103,11 @@ class Catalog(BaseModel):
     base: Path = Path(".")
     """Folder that relative ``data``/``sample`` paths start from (the catalog's own folder)."""
 
+    def capped(self, quota: int) -> Catalog:
+        """Every source limited to ``quota`` records (a lower quota of its own stays)."""
+        sources = [s.model_copy(update={"quota": min(s.quota or quota, quota)}) for s in self.sources]
+        return self.model_copy(update={"sources": sources})
+
     @model_validator(mode="after")
     def _unique(self) -> Catalog:
         names = [s.name for s in self.sources]
@@ -114,7 +120,8 @@ class Catalog(BaseModel):
 
 
 def load_catalog(path: Path | None = None) -> Catalog:
-    path = Path(path or DEFAULT_CATALOG)
+    """A catalog file; None or ``default``: the shipped one."""
+    path = Path(DEFAULT_CATALOG if path is None or str(path) == DEFAULT_CATALOG_NAME else path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -229,13 +229,19 @@ def prep(
     *,
     offline: bool = False,
     seed: int | None = None,
+    quota: int | None = None,
     workers: int | None = None,
     worker_memory: str = DEFAULT_WORKER_MEMORY,
     probe_rows: int = SCHEMA_PROBE_ROWS,
 ) -> int:
-    """Run the step; returns the exit code. Every output is complete before the manifest is written."""
+    """Run the step; returns the exit code. Every output is complete before the manifest is written.
+
+    ``quota``: at most that many records from each source (the catalog's own quotas when None).
+    """
     try:
         catalog = load_catalog(catalog_path)
+        if quota is not None:
+            catalog = catalog.capped(quota)
         for source in catalog.sources:  # resolve every location up front: fail before any work
             source.location(catalog.base, offline)
         try:

@@ -40,6 +40,7 @@ from pipeline.memory.units import parse_size
 from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
 from pipeline.steps.prep.pieces import Pieces
 from pipeline.steps.prep.prep import plan_workers
+from pipeline.steps.target import TargetError, load_tokenizer
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
@@ -336,24 +337,37 @@ class ShardWriter:
             self.writer = None
 
 
+def _ships_code(folder: Path) -> bool:
+    """The tokenizer names a class of its own (``auto_map``), to be loaded through AutoTokenizer."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return "auto_map" in config
+
+
 class Tokenizer:
     """The target's tokenizer plus a chat template: conversations to (ids, mask)."""
 
-    def __init__(self, folder: Path, chat_template: str):
-        # A folder with tokenizer.json loads as a fast tokenizer directly; AutoTokenizer would
-        # first import torch (seconds) for nothing. Other folders go through AutoTokenizer.
-        if (Path(folder) / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast as loader
-        else:
-            from transformers import AutoTokenizer as loader
+    def __init__(self, target: str, chat_template: str, trust_remote_code: bool = False):
+        folder = Path(target)
+        if (folder / "tokenizer.json").is_file() and not _ships_code(folder):
+            # A folder with tokenizer.json loads as a fast tokenizer directly; AutoTokenizer would
+            # first import torch (seconds) for nothing.
+            from transformers import PreTrainedTokenizerFast
 
-        try:
-            self.hf = loader.from_pretrained(str(folder))
-        except (OSError, ValueError) as exc:
-            raise TokenizeError(
-                f"cannot load a tokenizer from {folder} ({type(exc).__name__}); "
-                "pass the target model's folder with --tokenizer"
-            ) from None
+            try:
+                self.hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
+            except (OSError, ValueError) as exc:
+                raise TokenizeError(
+                    f"cannot load a tokenizer from {folder} ({type(exc).__name__}); "
+                    "pass the target model's folder with --tokenizer"
+                ) from None
+        else:  # a hub id, a folder without tokenizer.json, or a tokenizer class of its own
+            try:
+                self.hf = load_tokenizer(target, trust_remote_code=trust_remote_code)
+            except TargetError as exc:
+                raise TokenizeError(str(exc)) from None
         if not self.hf.is_fast:
             raise TokenizeError(f"the tokenizer in {folder} is not a fast tokenizer (no character offsets)")
         self.backend = self.hf.backend_tokenizer
@@ -495,7 +509,7 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def tokenize(
-    tokenizer_dir: Path,
+    target: str,
     conversations: list[Path],
     tokenized: list[Path],
     out_dir: Path | None = None,
@@ -505,8 +519,9 @@ def tokenize(
     shard_rows: int = DEFAULT_SHARD_ROWS,
     workers: int | None = None,
     worker_memory: str = DEFAULT_WORKER_MEMORY,
+    trust_remote_code: bool = False,
 ) -> int:
-    """Run the step; returns the exit code."""
+    """Run the step; returns the exit code. ``target``: a model folder or a hub id."""
     try:
         try:
             per_worker = parse_size(worker_memory)
@@ -519,7 +534,7 @@ def tokenize(
             )
         if not conversations and not tokenized:
             raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
-        encoder = Tokenizer(Path(tokenizer_dir), chat_template)
+        encoder = Tokenizer(target, chat_template, trust_remote_code)
     except TokenizeError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2

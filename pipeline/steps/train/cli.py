@@ -23,6 +23,9 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.steps.sglang import SGLangError, gpus_released
+from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.train.model import check_draftable
 from pipeline.steps.train.train import TrainConfig
 
 DRAFT = "draft"
@@ -106,7 +109,7 @@ def worker(cfg: TrainConfig) -> int:
         return 0
     built = result["built"]
     setup, draft = built.setup, built.draft.eval()
-    export_draft(draft, cfg.out / DRAFT, dtype=setup.dtype)
+    export_draft(draft, cfg.out / DRAFT, setup.layer_ids, dtype=setup.dtype)
     pad_id = setup.config.pad_token_id or 0
     started = time.monotonic()
     simulated = simulated_acceptance(built.source, draft, setup.heldout, cfg.ttt_steps, pad_id)
@@ -161,11 +164,17 @@ def worker_main(resolved: Path) -> int:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    for required, what in ((cfg.data, "--data"), (cfg.target, "--target")):
-        if not required.exists():
-            raise SettingsError(f"{what} {required} does not exist (run its step first)")
-    if cfg.target.is_dir() and not (cfg.target / "config.json").is_file():
-        raise SettingsError(f"--target {cfg.target} is not a Hugging Face model folder (no config.json)")
+    if not cfg.data.exists():
+        raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")
+    try:
+        check_target(cfg.target, "--target")
+        config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    except TargetError as exc:
+        raise SettingsError(str(exc)) from None
+    try:  # what the served draft could not run is refused before the weights load
+        check_draftable(config)
+    except ValueError as exc:
+        raise SettingsError(f"--target {cfg.target}: {exc}") from None
     if cfg.target_placement == "offline" and cfg.nnodes > 1:
         raise SettingsError(
             "--target-placement offline runs on one node (--nnodes 1): its features pass, which every "
@@ -209,18 +218,9 @@ def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
     return 0, 0 in finished  # keyed by global rank
 
 
-def train_command(config_file: Path | None, **overrides) -> int:
-    step_dir = step_dir_from_env()
-    overrides.setdefault("out", None)
-    try:
-        cfg = load_config(config_file, overrides)
-        if cfg.out == Path("."):
-            cfg.out = step_dir
-        check_inputs(cfg)
-    except SettingsError as exc:
-        _say(str(exc))
-        return EXIT_BAD_INPUT
-    cfg.out.mkdir(parents=True, exist_ok=True)
+def _train_here(cfg: TrainConfig) -> int | None:
+    """Train (in this process or under torchrun); an exit code, or None when this node's
+    rank 0 wrote the draft and eval.json, whose manifest is still to write."""
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         if cfg.target_placement == "offline":
             try:
@@ -237,12 +237,35 @@ def train_command(config_file: Path | None, **overrides) -> int:
             # Only global rank 0 exports and evaluates: its node vouches for the outputs.
             _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
             return 0
-    else:
-        try:
-            worker(cfg)
-        except BAD_INPUT_ERRORS as exc:
-            _say(str(exc))
-            return EXIT_BAD_INPUT
+        return None
+    try:
+        worker(cfg)
+    except BAD_INPUT_ERRORS as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
+    return None
+
+
+def train_command(config_file: Path | None, **overrides) -> int:
+    step_dir = step_dir_from_env()
+    overrides.setdefault("out", None)
+    try:
+        cfg = load_config(config_file, overrides)
+        if cfg.out == Path("."):
+            cfg.out = step_dir
+        check_inputs(cfg)
+    except SettingsError as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    try:
+        with gpus_released(cfg.release_target):
+            rc = _train_here(cfg)
+    except SGLangError as exc:
+        _say(str(exc))
+        return EXIT_BAD_INPUT
+    if rc is not None:
+        return rc
     report = json.loads((cfg.out / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
     stats = {

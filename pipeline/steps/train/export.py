@@ -5,6 +5,8 @@
 ``eagle_config.eagle_aux_hidden_state_layer_ids``. ``model.safetensors``: ``fc.weight``,
 ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` and the buffers ``d2t`` (int64) and
 ``t2d`` (bool). The input embedding is left out: the server shares the target's.
+RoPE is written twice, as ``rope_parameters`` (transformers 5) and ``rope_scaling``
+(transformers 4.x), so every SGLang build serves the draft with the target's scaling.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from pipeline.run.manifest import atomic_path
-from pipeline.steps.train.model import Eagle3Draft
+from pipeline.steps.train.model import Eagle3Draft, aux_layer_ids
 
 WEIGHTS = "model.safetensors"
 
@@ -33,10 +35,31 @@ def exported_state(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Te
     return state
 
 
-def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the folder atomically (temp name, then rename)."""
+def rope_scaling(rope_parameters: dict) -> dict | None:
+    """transformers 4.x's ``rope_scaling`` (what SGLang builds pinned to it read) for 5.x's
+    ``rope_parameters``: the scaling without ``rope_theta``, None for plain RoPE."""
+    if rope_parameters.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+
+
+def export_draft(
+    draft: Eagle3Draft, out: Path, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Write the folder atomically (temp name, then rename).
+
+    ``layer_ids``: the target layers whose outputs the draft was trained on; the config must
+    state the same, or SGLang would feed the draft other layers than it learned from.
+    """
+    stated = aux_layer_ids(draft.config)
+    if stated != list(layer_ids):
+        raise ValueError(
+            f"the draft was trained on target layers {list(layer_ids)} but its config states {stated}: "
+            "SGLang would capture the wrong layers"
+        )
     config = draft.config.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["rope_scaling"] = rope_scaling(config["rope_parameters"])
     with atomic_path(out) as tmp:
         tmp.mkdir()
         save_file(exported_state(draft, dtype), tmp / WEIGHTS, metadata={"format": "pt"})
@@ -45,16 +68,15 @@ def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = torch.bfloa
 
 
 def load_draft(folder: Path, target_embedding: torch.Tensor) -> Eagle3Draft:
-    """An exported draft, with the target's input embedding put back."""
+    """An exported draft, loaded strictly: every tensor the class holds comes from the folder,
+    except the input embedding, which is the target's (as SGLang shares it)."""
     raw = json.loads((folder / "config.json").read_text())
     config = LlamaConfig(**raw)
     draft = Eagle3Draft(config)
-    state = load_file(folder / WEIGHTS)
-    missing, unexpected = draft.load_state_dict(
-        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
-    )
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{folder}: unexpected keys {unexpected}, missing {missing}")
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target_embedding.float())
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(folder / WEIGHTS).items()}
+    state["embed_tokens.weight"] = target_embedding.detach().float()
+    try:
+        draft.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # missing or unexpected keys, or a shape that is not the config's
+        raise ValueError(f"{folder}: not a draft this class loads: {exc}".replace("\n", " ")) from None
     return draft.eval()

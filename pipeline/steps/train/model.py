@@ -25,13 +25,51 @@ from transformers.models.llama.modeling_llama import (
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """Low, middle and high target layers, as EAGLE-3 picks them (indices of layer outputs)."""
+    """Low, middle and high target layers, as EAGLE-3 picks them.
+
+    Id v is the OUTPUT of target layer v (0-based): ``hidden_states[v + 1]`` in transformers.
+    SGLang reads ``eagle_aux_hidden_state_layer_ids`` the same way (it captures the input of
+    layer v + 1), and its own default when a draft names none, layers [2, L/2, L-3] captured
+    at their input, is this list: [1, L/2 - 1, L - 4].
+    """
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def draft_config(target: LlamaConfig, draft_vocab_size: int, layer_ids: list[int]) -> LlamaConfig:
-    """The draft's config: the target's width, heads and vocabulary, one layer, a draft vocabulary."""
+# SGLang's EAGLE-3 draft (LlamaForCausalLMEagle3) builds its MLP with SiluAndMul only.
+DRAFT_ACTIVATIONS = ("silu",)
+# Multi-head latent attention targets (DeepSeek-V3, Kimi-K2) keep a 512-wide latent KV per
+# token; copying their heads (128, 64) x 64 (qk_rope_head_dim) as plain KV heads would give
+# the draft 16k or 8k cached values per token. The draft instead uses Llama-style grouped-query
+# attention, the shape of the reference drafts of such targets: heads of 128, 8 KV heads (2k).
+MLA_DRAFT_HEAD_DIM = 128
+MLA_DRAFT_KV_HEADS = 8
+
+
+def check_draftable(target) -> None:
+    """What the served draft cannot run is refused before any work (``target``: its config)."""
+    if target.hidden_act not in DRAFT_ACTIVATIONS:
+        raise ValueError(
+            f"the target's hidden_act is {target.hidden_act!r}: SGLang's EAGLE-3 draft runs only "
+            f"{', '.join(DRAFT_ACTIVATIONS)}, so a draft copying it could not be served"
+        )
+
+
+def draft_attention(target) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of the draft for ``target``: the target's own, except for MLA."""
+    if getattr(target, "kv_lora_rank", None):
+        if target.hidden_size >= MLA_DRAFT_HEAD_DIM * MLA_DRAFT_KV_HEADS:
+            return target.hidden_size // MLA_DRAFT_HEAD_DIM, MLA_DRAFT_KV_HEADS, MLA_DRAFT_HEAD_DIM
+        # A target narrower than eight heads of 128 (a test's): one KV head per query head of its width.
+        head_dim = target.hidden_size // target.num_attention_heads
+        return target.num_attention_heads, target.num_attention_heads, head_dim
     head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
+    return target.num_attention_heads, target.num_key_value_heads, head_dim
+
+
+def draft_config(target: LlamaConfig, draft_vocab_size: int, layer_ids: list[int]) -> LlamaConfig:
+    """The draft's config: the target's width and vocabulary, one layer, a draft vocabulary."""
+    check_draftable(target)
+    heads, kv_heads, head_dim = draft_attention(target)
     rope = dict(getattr(target, "rope_parameters", None) or {})
     rope_theta = rope.get("rope_theta", getattr(target, "rope_theta", 10000.0))
     config = LlamaConfig(
@@ -39,8 +77,8 @@ def draft_config(target: LlamaConfig, draft_vocab_size: int, layer_ids: list[int
         hidden_size=target.hidden_size,
         intermediate_size=target.intermediate_size,
         num_hidden_layers=1,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         hidden_act=target.hidden_act,
         max_position_embeddings=target.max_position_embeddings,
@@ -60,6 +98,11 @@ def draft_config(target: LlamaConfig, draft_vocab_size: int, layer_ids: list[int
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
     config.eagle_aux_hidden_state_layer_ids = list(layer_ids)
     return config
+
+
+def aux_layer_ids(config: LlamaConfig) -> list[int]:
+    """The feature layers a draft's config states (what SGLang will capture)."""
+    return list(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
 
 
 # ---------------------------------------------------------------- attention

@@ -153,8 +153,9 @@ def _describe_layers(layers: list[int]) -> str:
 
 
 def target_units(
-    config, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int
-) -> list[Unit]:
+    config, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int,
+    trust_remote_code: bool = False,
+) -> list[Unit]:  # fmt: skip
     """The target's modules in forward order with their bytes at ``dtype``, from the model on the meta device.
 
     A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
@@ -162,11 +163,11 @@ def target_units(
     vocabulary, sit on the lm_head's device.
     """
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.integrations.accelerate import compute_module_sizes
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from pipeline.steps.target import meta_model
+
+    model = meta_model(config, dtype, trust_remote_code=trust_remote_code)
     sizes, _ = compute_module_sizes(model)
     element = torch.finfo(dtype).bits // 8
     batch_tokens = batch_size * length
@@ -340,52 +341,3 @@ def measure_devices(every_gpu: bool) -> list[Device]:
         return [Device(f"cuda:{i}", torch.cuda.mem_get_info(i)[0]) for i in order]
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return [Device("cpu", memory_budget().available // ranks)]
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_target(path, dtype, device_map: dict[str, str]):
-    """The target, each module loaded straight onto its planned device (transformers dispatches a
-    map over several devices with accelerate's hooks, which move activations between them)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
-
-
-def load_head(path, config, dtype, device: str | object):
-    """(lm_head on ``device``, input embedding weight on the CPU) read by name from the checkpoint's
-    safetensors files: what offline training needs of the target, without loading the rest."""
-    import json
-    from pathlib import Path
-
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    names = {module: name for name, module in model.named_modules()}
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    wanted = {f"{names[head]}.{p}": p for p, _ in head.named_parameters()}
-    tied = head.weight is embedding.weight
-    stored = {f"{names[head]}.weight": f"{names[embedding]}.weight"} if tied else {}
-    embedding_name = f"{names[embedding]}.weight"
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    tensors = {}
-    for name in [*wanted, embedding_name]:
-        key = stored.get(name, name)
-        file = folder / (files.get(key, "") if files is not None else "model.safetensors")
-        if not file.is_file():
-            raise ValueError(f"no tensor {key} in the safetensors files of {path}: offline training reads it")
-        with safe_open(file, framework="pt") as f:
-            if key not in f.keys():
-                raise ValueError(f"no tensor {key} in {file}: offline training reads it")
-            tensors[name] = f.get_tensor(key).to(dtype)
-    head = head.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in wanted.items():
-            head.get_parameter(param).copy_(tensors[name])
-    return head, tensors[embedding_name]

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.steps.target import load_head, load_model, target_config
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.data import (
     Example,
@@ -57,8 +58,6 @@ from pipeline.steps.train.placement import (
     Placement,
     Plan,
     draft_bytes,
-    load_head,
-    load_target,
     measure_devices,
     target_units,
 )
@@ -71,7 +70,11 @@ class TrainConfig(BaseModel):
     data: Path
     """The tokenize step's shards (a folder of parquet files)."""
     target: Path
-    """The target model folder (Hugging Face)."""
+    """The target: a Hugging Face model folder, or a hub id (read from the hub's cache)."""
+    trust_remote_code: bool = False
+    """Run the code a target ships (``auto_map`` in its config), as Kimi-K2 needs."""
+    release_target: str | None = None
+    """URL of an SGLang server whose GPU memory training takes meanwhile (``sglang.gpus_released``)."""
     out: Path = Path(".")
     draft_vocab_size: int = Field(32000, ge=1)
     ttt_steps: int = Field(7, ge=1)
@@ -140,7 +143,7 @@ class DraftLoss(nn.Module):
 # train the same draft, so a run may resume under another.
 _NOT_TRAINING = {
     "out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
-    "target_placement", "features_dir",
+    "target_placement", "features_dir", "trust_remote_code", "release_target",
 }  # fmt: skip
 
 
@@ -209,11 +212,6 @@ def _quiet(message: str) -> None:
     """The log of ranks other than 0: rank 0 speaks for all."""
 
 
-def _cannot_load(cfg: TrainConfig, exc: Exception) -> ValueError:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ValueError(f"--target {cfg.target}: cannot load the model: {reason}")
-
-
 @dataclass
 class Setup:
     """What training needs before the target is loaded: the same on every rank."""
@@ -242,7 +240,9 @@ def plan_for(
     """
     batch_tokens = cfg.batch_size * longest
     vocab = draft.config.draft_vocab_size
-    units = target_units(config, dtype, cfg.batch_size, longest, vocab, LOGITS_CHUNK)
+    units = target_units(
+        config, dtype, cfg.batch_size, longest, vocab, LOGITS_CHUNK, trust_remote_code=cfg.trust_remote_code
+    )
     if draft_needs is None:
         element = torch.finfo(dtype).bits // 8
         draft_needs = draft_bytes(draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element)
@@ -252,12 +252,7 @@ def plan_for(
 
 def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -> Setup:
     """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(cfg.target)
-    except (OSError, ValueError) as exc:  # not a model folder, config unreadable
-        raise _cannot_load(cfg, exc) from None
+    config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     rows = load_shards(cfg.data, cfg.max_length)
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
@@ -281,10 +276,9 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
 
 
 def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
-    try:
-        return load_target(cfg.target, dtype, plan.device_map())
-    except (OSError, ValueError) as exc:  # weights missing or unreadable
-        raise _cannot_load(cfg, exc) from None
+    return load_model(
+        cfg.target, dtype=dtype, trust_remote_code=cfg.trust_remote_code, device_map=plan.device_map()
+    )
 
 
 def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
@@ -327,7 +321,9 @@ def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Bu
         if world > 1 and not is_complete(features_folder(cfg, setup.layer_ids, setup.dtype)):
             raise ValueError("the offline features pass is not complete: run it in one process first")
         folder = features_pass(cfg, setup, log)
-        lm_head, embedding = load_head(cfg.target, setup.config, setup.dtype, device)
+        lm_head, embedding = load_head(
+            cfg.target, setup.config, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
+        )
         head = TeacherHead(lm_head, setup.d2t, setup.t2d, LOGITS_CHUNK)
         source: FeatureSource = OfflineFeatures(FeatureShards(folder), head, device)
         target = None

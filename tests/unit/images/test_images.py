@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from eyrie_testing import REPO
+from pipeline.run.spec import load_pipeline
 
 DOCKERFILES = sorted((REPO / "images").glob("*/Dockerfile"))
 
@@ -66,3 +67,48 @@ def test_gpu_compose_reserves_gpus_and_publishes_nothing():
     assert "ports" not in sglang and "ports" not in compose["services"]["pipeline"]
     for service in compose["services"].values():
         assert service["mem_limit"] == service["memswap_limit"], "a service never swaps"
+
+
+def _compose_config(*files: str, environ: dict[str, str] | None = None) -> dict:
+    if shutil.which("docker") is None:
+        pytest.skip("the docker command line is not installed")
+    argv = ["docker", "compose"] + [arg for f in files for arg in ("-f", f)] + ["config", "--format", "json"]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **(environ or {})}
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env)
+    if "is not a docker command" in result.stderr:
+        pytest.skip("the Compose v2 plugin is not installed")
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def _pipeline_as_run_by(service: dict):
+    """The pipeline file the service runs, loaded with the environment the service gives it."""
+    file = REPO / "pipeline" / "embedded" / Path(service["command"][1]).name
+    environ = {k: v for k, v in service["environment"].items() if v is not None}
+    return load_pipeline(file, environ=environ)
+
+
+def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
+    gpu = _compose_config("compose/compose.yaml")
+    cpu = _compose_config("compose/compose.yaml", "compose/compose.cpu.yaml")
+    assert gpu["pipeline"]["command"][1] == cpu["pipeline"]["command"][1] == "/pipeline/eagle3.yaml"
+    on_gpu, on_cpu = _pipeline_as_run_by(gpu["pipeline"]), _pipeline_as_run_by(cpu["pipeline"])
+    assert [s.name for s in on_gpu.steps] == [s.name for s in on_cpu.steps] == [
+        "prep", "generate", "tokenize", "train", "accept"
+    ]
+    # the GPU host: the target SGLang serves is the one trained for, on every GPU
+    model = gpu["sglang"]["command"][gpu["sglang"]["command"].index("--model-path") + 1]
+    assert on_gpu.step("train").command[on_gpu.step("train").command.index("--target") + 1] == model
+    assert on_gpu.step("train").gpus == on_gpu.step("accept").gpus == 8
+    assert on_gpu.executor_options("docker", "accept").image == "eyrie-sglang:latest"
+    train = on_gpu.step("train").command
+    assert train[train.index("--target-placement") + 1] == "auto"
+    assert "--online" in on_gpu.step("prep").command
+    # the CPU: bundled samples, no GPU, the built-in chain decoding, limits a 24 GiB machine holds
+    assert "--offline" in on_cpu.step("prep").command
+    assert on_cpu.step("train").gpus == on_cpu.step("accept").gpus == 0
+    assert on_cpu.executor_options("docker", "accept").image == "eyrie-pipeline:local"
+    assert max(s.memory for s in on_cpu.steps) <= 4 * 2**30
+    # a setting from the shell reaches the file through compose
+    shell = _compose_config("compose/compose.yaml", environ={"EYRIE_QUOTA": "500"})
+    assert "500" in _pipeline_as_run_by(shell["pipeline"]).step("prep").command

@@ -16,7 +16,7 @@ from pipeline.run.executor import ExecutorError, Launch, Outcome, StepOptions
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import MANIFEST_NAME
 from pipeline.run.orchestrator import Orchestrator, RunResult
-from pipeline.run.spec import PipelineError, PipelineSpec
+from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
 
@@ -151,6 +151,24 @@ def test_a_step_that_succeeded_is_skipped_on_a_rerun(tmp_path):
     reporter = QuietReporter()
     assert run(tmp_path, steps, executor, reporter).state == "succeeded"
     assert reporter.skipped_steps == ["prep"] and len(executor.started("prep")) == 1
+
+
+def test_a_step_runs_again_when_a_setting_it_expands_changes(tmp_path):
+    _, path = write_pipeline(tmp_path, [{"name": "train", "command": ["train", "--steps", "${STEPS:-10}"]}])
+    executor = FakeExecutor({"train": ends(outcome(0))})
+
+    def run_with(environ: dict[str, str]) -> QuietReporter:
+        reporter = QuietReporter()
+        spec = load_pipeline(path, environ=environ)
+        assert Orchestrator(spec, path, tmp_path / "run", executor, reporter).run().state == "succeeded"
+        return reporter
+
+    run_with({})
+    assert run_with({"STEPS": "10"}).skipped_steps == ["train"]  # the default, written out: same argv
+    assert run_with({"STEPS": "20"}).skipped_steps == []
+    assert [a.launch.argv for a in executor.started("train")] == [
+        ["train", "--steps", "10"], ["train", "--steps", "20"]
+    ]
 
 
 def test_a_missing_input_stops_the_run_before_any_step_starts(tmp_path):

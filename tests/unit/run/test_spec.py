@@ -83,3 +83,45 @@ def test_a_file_not_in_utf8_is_refused_in_one_line(tmp_path):
     with pytest.raises(PipelineError, match=expected) as info:
         load_pipeline(path)
     assert "\n" not in str(info.value)
+
+
+SETTINGS = """
+steps:
+  - name: train
+    command: [eyrie, train, --target, "${TARGET:-Qwen/Qwen3-8B}", --out, "${EYRIE_STEP_DIR}/x", "${OWN}"]
+    memory: "${TRAIN_MEMORY:-2GiB}"
+    gpus: "${GPUS:-0}"
+    docker: {image: "eyrie-pipeline:${TAG:-latest}"}
+    env: {OWN: "own-${TAG:-latest}"}
+"""
+
+
+def test_settings_come_from_the_environment_with_defaults(tmp_path):
+    path = write(tmp_path, SETTINGS)
+    spec = load_pipeline(path, environ={})
+    step = spec.step("train")
+    assert step.command[3] == "Qwen/Qwen3-8B" and step.memory == 2 * 2**30 and step.gpus == 0
+    assert spec.executor_options("docker", "train").image == "eyrie-pipeline:latest"
+    assert step.env == {"OWN": "own-latest"}
+    # the runner's variables and the step's own env are left for the runner
+    assert step.command[5:] == ["${EYRIE_STEP_DIR}/x", "${OWN}"]
+    environ = {"TARGET": "/models/kimi", "TRAIN_MEMORY": "400GiB", "GPUS": "8", "TAG": "v1"}
+    spec = load_pipeline(path, environ=environ)
+    step = spec.step("train")
+    assert step.command[3] == "/models/kimi" and step.memory == 400 * 2**30 and step.gpus == 8
+    assert spec.executor_options("docker", "train").image == "eyrie-pipeline:v1"
+    assert step.env == {"OWN": "own-v1"}
+    # an empty setting takes the default, as in compose files
+    assert load_pipeline(path, environ={"GPUS": ""}).step("train").gpus == 0
+
+
+def test_a_setting_without_default_must_be_set(tmp_path):
+    path = write(tmp_path, SETTINGS.replace("${GPUS:-0}", "${GPUS}"))
+    with pytest.raises(PipelineError) as info:
+        load_pipeline(path, environ={})
+    assert str(info.value) == (
+        f"{path}: steps[0] (train).gpus: unknown variable ${{GPUS}}: not set in the environment; "
+        "set it, or give a default: ${GPUS:-VALUE}"
+    )
+    with pytest.raises(PipelineError, match=r"steps\[0\] \(train\)\.gpus: Input should be a valid integer"):
+        load_pipeline(path, environ={"GPUS": "eight"})

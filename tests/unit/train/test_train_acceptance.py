@@ -82,6 +82,16 @@ def test_trained_draft_is_accepted_more_than_an_untrained_one(random_target_run)
     assert abs(simulated["acceptance_length"] - real["acceptance_length"]) < 1.0, (simulated, real)
 
 
+def test_the_cpu_benchmark_measures_a_target_that_names_one_end_id(random_target_run):
+    """benchmarks/train_cpu.py ran the chain decoding with the target's eos id as a bare int."""
+    from benchmarks.train_cpu import measure
+
+    assert random_target_run.model_copy().target  # the bigram target: eos_token_id=1, one int
+    cfg = random_target_run.model_copy(update={"max_steps": 2, "out": random_target_run.out / "bench"})
+    figures = measure(cfg, eval_prompts=2, max_new_tokens=8)
+    assert figures["verify_forwards"] > 0 and figures["real_acceptance_length"] >= 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # ~5 min alone on 2 cores; far longer on a shared, loaded machine
 def test_tiny_target_acceptance_at_least_2_5_with_k7(tmp_path):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.steps.train import evaluate
 from pipeline.steps.train.data import Example
 from pipeline.steps.train.evaluate import eos_ids_of, propose, real_acceptance, speculative_generate
 from pipeline.steps.train.export import export_draft, load_draft
@@ -108,7 +110,7 @@ def _draft_for(target, draft_vocab=48, layer_ids=(0, 2, 3)):
 def test_export_reload_gives_identical_logits(tmp_path):
     target = _tiny_target()
     draft = _draft_for(target)
-    folder = export_draft(draft, tmp_path / "draft", dtype=torch.float32)
+    folder = export_draft(draft, tmp_path / "draft", [0, 2, 3], dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 48 and config["vocab_size"] == 96
@@ -171,6 +173,40 @@ def test_speculative_decoding_is_lossless():
     assert generated == greedy
     assert sum(per_forward) == len(generated) - 1
     assert all(1 <= n <= 5 for n in per_forward)
+
+
+def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
+    """A drafter that proposes the target's own greedy tokens with one corrupted at a random depth
+    (or none): each verifying forward accepts exactly that depth, every depth 0..K occurs, and the
+    output is still the target's greedy output."""
+    target = _tiny_target(seed=5)
+    draft = _draft_for(target)
+    k, prompt, new_tokens = 4, [5, 17, 33, 8, 61, 2], 160
+    rng = random.Random(0)
+    depths: list[int] = []
+
+    def greedy_after(ids: list[int], steps: int) -> list[int]:
+        # An explicit mask: generate would otherwise take a generated 0 (the pad id) for padding.
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            out = target.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=steps,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return out[0, len(ids) :].tolist()
+
+    def own_tokens_one_corrupted(_draft, ids, _features, steps):
+        own = greedy_after(ids, steps)
+        depth = rng.randint(0, steps)  # steps: nothing corrupted, the whole chain is the target's
+        depths.append(depth)
+        if depth < steps:
+            own[depth] = (own[depth] + 1) % target.config.vocab_size
+        return own
+
+    monkeypatch.setattr(evaluate, "propose", own_tokens_one_corrupted)
+    generated, per_forward = speculative_generate(target, draft, prompt, k, new_tokens, eos_ids=set())
+    assert generated == greedy_after(prompt, new_tokens)
+    accepted = [n - 1 for n in per_forward[:-1]]  # the last forward may be cut at max_new_tokens
+    assert accepted == depths[: len(accepted)]
+    assert set(accepted) == set(range(k + 1))
 
 
 def test_fp32_draft_is_evaluated_on_a_bf16_target():

@@ -1,0 +1,224 @@
+"""``eyrie accept``: the exported draft against its target, on the prompts training held out.
+
+Two measurements with the same decoder, one with speculation and one without: the accept
+length (tokens yielded per target forward) and the output tokens/s of each, so the
+speed-up is a ratio measured side by side.
+
+- ``sglang`` (a GPU host): SGLang serves the target with the draft
+  (``--speculative-algorithm EAGLE3``), then the same server without it; held-out prompts
+  go to its native ``/generate`` as token ids, greedy, ``concurrency`` in flight. The
+  accept length is SGLang's own count: completion tokens / verify forwards.
+- ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.train.evaluate``), K draft
+  tokens per target forward, against the same loop proposing none. Its outputs must equal
+  each other token for token (greedy verification is lossless): a difference fails the step.
+
+Writes ``accept.json`` and the step's manifest (both figures in its stats, which the report shows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rich.console import Console
+
+from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.steps.sglang import SGLangError, Speculation, generate, gpus_released, sglang_server
+from pipeline.steps.target import TargetError, check_target
+
+RESULT = "accept.json"
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+Engine = Literal["sglang", "chain"]
+ENGINES = ("sglang", "chain")
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+@dataclass
+class Settings:
+    draft: Path
+    target: str
+    data: Path
+    engine: Engine
+    speculation: Speculation
+    heldout_fraction: float
+    max_length: int
+    prompts: int
+    max_new_tokens: int
+    concurrency: int
+    tp: int
+    trust_remote_code: bool
+    release_target: str | None
+    startup_timeout_s: float
+    request_timeout_s: float
+
+
+class AcceptError(ValueError):
+    """Wrong settings or inputs: one line."""
+
+
+def check(settings: Settings) -> None:
+    if settings.engine not in ENGINES:
+        raise AcceptError(f"--engine {settings.engine!r}: choose one of {', '.join(ENGINES)}")
+    if not (settings.draft / "config.json").is_file():
+        raise AcceptError(f"--draft {settings.draft} is not an exported draft (no config.json): run train")
+    if not settings.data.exists():
+        raise AcceptError(f"--data {settings.data} does not exist (run tokenize first)")
+    if settings.engine == "sglang" and settings.tp < 1:
+        raise AcceptError(f"--tp {settings.tp}: SGLang spans at least one GPU")
+    spec = settings.speculation
+    if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
+        raise AcceptError("--num-steps, --topk and --num-draft-tokens must each be at least 1")
+    if settings.engine == "chain" and (spec.topk != 1 or spec.num_draft_tokens != spec.num_steps + 1):
+        raise AcceptError(
+            f"--engine chain drafts one chain: --topk 1 and --num-draft-tokens {spec.num_steps + 1} "
+            f"(--num-steps + 1), not --topk {spec.topk} --num-draft-tokens {spec.num_draft_tokens}"
+        )
+    try:
+        check_target(settings.target, "--target")
+    except TargetError as exc:
+        raise AcceptError(str(exc)) from None
+
+
+def heldout_prompts(settings: Settings) -> list[list[int]]:
+    """The prompts (tokens before the first assistant token) of the rows training held out."""
+    from pipeline.steps.train.data import load_shards, split_heldout
+    from pipeline.steps.train.evaluate import prompt_of
+
+    _, heldout = split_heldout(load_shards(settings.data, settings.max_length), settings.heldout_fraction)
+    prompts = [prompt_of(row.input_ids, row.loss_mask) for row in heldout]
+    prompts = [p for p in prompts if len(p) >= 2][: settings.prompts]
+    if not prompts:
+        raise AcceptError(
+            f"no held-out prompt in {settings.data} at --heldout-fraction {settings.heldout_fraction} "
+            "(use the fraction training used, or more data)"
+        )
+    return prompts
+
+
+def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> dict:
+    """Every prompt through ``url``, ``concurrency`` in flight, after one warm-up request."""
+    generate(url, prompts[0], 8, settings.request_timeout_s)
+    started = time.monotonic()
+    with ThreadPoolExecutor(settings.concurrency) as pool:
+        metas = list(
+            pool.map(lambda p: generate(url, p, settings.max_new_tokens, settings.request_timeout_s), prompts)
+        )
+    seconds = time.monotonic() - started
+    tokens = sum(m["completion_tokens"] for m in metas)
+    forwards = sum(m.get("spec_verify_ct", 0) for m in metas)
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 2),
+        "verify_forwards": forwards or None,
+        "accept_length": round(tokens / forwards, 3) if forwards else None,
+    }
+
+
+def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> tuple[dict, dict]:
+    runs = {}
+    with gpus_released(settings.release_target):
+        for name, speculation in (("speculative", settings.speculation), ("baseline", None)):
+            how = "with" if speculation else "without"
+            console.print(f"accept: SGLang {how} the draft, {len(prompts)} prompts", markup=False)
+            with sglang_server(
+                settings.target, logs / f"sglang-{name}.log", tp=settings.tp,
+                trust_remote_code=settings.trust_remote_code, speculation=speculation,
+                startup_timeout_s=settings.startup_timeout_s,
+            ) as url:  # fmt: skip
+                runs[name] = _server_run(url, prompts, settings)
+    return runs["speculative"], runs["baseline"]
+
+
+def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, dict]:
+    import torch
+
+    from pipeline.steps.target import load_model
+    from pipeline.steps.train.evaluate import eos_ids_of, speculative_generate
+    from pipeline.steps.train.export import load_draft
+
+    target = load_model(settings.target, dtype=torch.float32, trust_remote_code=settings.trust_remote_code)
+    target.eval()
+    draft = load_draft(settings.draft, target.get_input_embeddings().weight)
+    eos_ids = eos_ids_of(target)
+    outputs: dict[str, list[list[int]]] = {}
+    runs = {}
+    for name, k in (("speculative", settings.speculation.num_steps), ("baseline", 0)):
+        started = time.monotonic()
+        generated, per_forward = [], []
+        for prompt in prompts:
+            tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
+            generated.append(tokens)
+            per_forward += yielded
+        seconds = time.monotonic() - started
+        outputs[name] = generated
+        total = sum(len(t) for t in generated)
+        runs[name] = {
+            "output_tokens": total,
+            "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(total / seconds, 2),
+            # As SGLang counts it: completion tokens over verifying forwards (the prompt's own
+            # forward, which yields the first token, is not one).
+            "verify_forwards": len(per_forward) if k else None,
+            "accept_length": round(total / len(per_forward), 3) if k and per_forward else None,
+        }
+    if outputs["speculative"] != outputs["baseline"]:
+        differ = sum(a != b for a, b in zip(outputs["speculative"], outputs["baseline"], strict=True))
+        raise RuntimeError(
+            f"speculative decoding changed {differ} of {len(prompts)} greedy outputs: the draft's tokens "
+            "must only ever be kept where the target agrees (a bug, not a draft quality issue)"
+        )
+    return runs["speculative"], runs["baseline"]
+
+
+def accept(settings: Settings, out_dir: Path | None = None) -> int:
+    step_dir = Path(out_dir) if out_dir else step_dir_from_env()
+    try:
+        check(settings)
+        prompts = heldout_prompts(settings)
+    except AcceptError as exc:
+        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+        return EXIT_BAD_INPUT
+    try:
+        if settings.engine == "sglang":
+            speculative, baseline = measure_sglang(settings, prompts, step_dir)
+        else:
+            speculative, baseline = measure_chain(settings, prompts)
+    except (TargetError, SGLangError) as exc:
+        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+        return EXIT_BAD_INPUT
+    except RuntimeError as exc:
+        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+        return EXIT_FAILED
+    spec = settings.speculation
+    result = {
+        "engine": settings.engine,
+        "target": settings.target,
+        "draft": str(settings.draft),
+        "prompts": len(prompts),
+        "max_new_tokens": settings.max_new_tokens,
+        "num_steps": spec.num_steps,
+        "topk": spec.topk,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "accept_length": speculative["accept_length"],
+        "output_tokens_per_s": speculative["output_tokens_per_s"],
+        "baseline_output_tokens_per_s": baseline["output_tokens_per_s"],
+        "speedup": round(speculative["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3),
+        "speculative": speculative,
+        "baseline": baseline,
+    }
+    atomic_write_text(step_dir / RESULT, json.dumps(result, indent=2) + "\n")
+    write_manifest(step_dir, [RESULT], stats=result)
+    console.print(
+        f"accept ({settings.engine}): accept length {result['accept_length']}, "
+        f"{result['output_tokens_per_s']} output tok/s with the draft, "
+        f"{result['baseline_output_tokens_per_s']} without ({result['speedup']}x)",
+        markup=False, highlight=False,
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,190 @@
+"""The target model, named by a Hugging Face hub id or a local folder, loaded with transformers.
+
+The same name serves every step that needs the target (tokenize: its tokenizer and chat
+template; train and accept: its weights). A target that ships its own code (``auto_map``
+in its config, as Kimi-K2 does) loads only with ``trust_remote_code``; without it the
+error is one line naming ``--trust-remote-code``. A checkpoint stored quantized (a
+``quantization_config`` such as compressed-tensors INT4 experts) loads through
+transformers' quantizer for its format, installed with the ``quantized`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REMOTE_CODE_FLAG = "--trust-remote-code"
+# A hub id: NAME or OWNER/NAME (letters, digits, - _ .), as the hub accepts them.
+_HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class TargetError(ValueError):
+    """The target cannot be used; the message is one line naming it and the fix."""
+
+
+def is_local(target: str | Path) -> bool:
+    return Path(target).exists() or str(target).startswith((".", "/", "~"))
+
+
+def check_target(target: str | Path, option: str) -> None:
+    """Before any work: a local target is a model folder; anything else must read as a hub id."""
+    path = Path(target)
+    if is_local(target):
+        if not path.exists():
+            raise TargetError(f"{option} {target} does not exist (run its step first, or give a hub id)")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{option} {target} is not a Hugging Face model folder (no config.json)")
+    elif not _HUB_ID_RE.match(str(target)):
+        raise TargetError(f"{option} {target!r} is neither a model folder nor a hub id (OWNER/NAME)")
+
+
+def _reason(exc: Exception, target: str | Path, option: str) -> str:
+    text = str(exc)
+    if "compressed_tensors" in text or "compressed-tensors" in text:
+        return (
+            f"{option} {target}: the checkpoint is stored in compressed-tensors format; "
+            "install its quantizer: pip install 'eyrie[quantized]'"
+        )
+    if "trust_remote_code" in text:
+        return (
+            f"{option} {target}: the model ships its own code (auto_map in its config); "
+            f"pass {REMOTE_CODE_FLAG} to run it, if you trust it"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{option} {target}: cannot load the model: {first}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings while it resolves a target's classes (e.g. "a model of type X to
+    instantiate a model of type ''" for custom code) would bury the one line that matters."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
+def target_config(target: str | Path, *, trust_remote_code: bool, option: str = "--target"):
+    """The target's config alone (seconds, even for a hub id): what can be checked before the weights."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet_transformers():
+            return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        raise TargetError(_reason(exc, target, option)) from None
+
+
+def _dequantized_when_loaded(target: str | Path, trust_remote_code: bool) -> dict[str, Any]:
+    """Loading arguments for a compressed-tensors checkpoint: its weights dequantized as they load.
+
+    transformers otherwise keeps them compressed until the first call of the whole model, which
+    a step that runs the inner model for features never makes (the layers would find no weight).
+    The dense weights take the full size of ``dtype``: plan the target's memory on that.
+    """
+    config = target_config(target, trust_remote_code=trust_remote_code)
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+def load_model(
+    target: str | Path, *, dtype: Any, trust_remote_code: bool, option: str = "--target",
+    device_map: dict[str, str] | None = None,
+):  # fmt: skip
+    """The target as a causal LM (weights from its folder, or the hub's cache).
+
+    With a ``device_map`` each module loads straight onto its device (transformers dispatches a
+    map over several devices with accelerate's hooks, which move activations between them).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        # An explicit False: transformers then refuses custom code instead of asking on stdin.
+        with _quiet_transformers(), warnings.catch_warnings():
+            # "the quantization_config from the model will be used": what is asked for.
+            warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
+            return AutoModelForCausalLM.from_pretrained(
+                str(target), dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map,
+                **_dequantized_when_loaded(target, trust_remote_code),
+            )  # fmt: skip
+    except (OSError, ValueError, ImportError) as exc:  # no model, weights unreadable, code refused
+        raise TargetError(_reason(exc, target, option)) from None
+
+
+def meta_model(config: Any, dtype: Any, *, trust_remote_code: bool):
+    """The target's modules on the meta device: its shapes and names, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def model_folder(target: str | Path) -> Path:
+    """The folder holding the target's files: its own, or the hub cache's snapshot of a hub id."""
+    if is_local(target):
+        return Path(target)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(target)))
+
+
+def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust_remote_code: bool):
+    """(lm_head on ``device``, input embedding weight on the CPU) read by name from the checkpoint's
+    safetensors files: what offline training needs of the target, without loading the rest."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    model = meta_model(config, dtype, trust_remote_code=trust_remote_code)
+    names = {module: name for name, module in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    wanted = {f"{names[head]}.{p}": p for p, _ in head.named_parameters()}
+    tied = head.weight is embedding.weight
+    stored = {f"{names[head]}.weight": f"{names[embedding]}.weight"} if tied else {}
+    embedding_name = f"{names[embedding]}.weight"
+    folder = model_folder(target)
+    index = folder / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    tensors = {}
+    for name in [*wanted, embedding_name]:
+        key = stored.get(name, name)
+        file = folder / (files.get(key, "") if files is not None else "model.safetensors")
+        if not file.is_file():
+            raise ValueError(
+                f"no tensor {key} in the safetensors files of {target}: offline training reads it"
+            )
+        with safe_open(file, framework="pt") as f:
+            if key not in f.keys():
+                raise ValueError(f"no tensor {key} in {file}: offline training reads it")
+            tensors[name] = f.get_tensor(key).to(dtype)
+    head = head.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in wanted.items():
+            head.get_parameter(param).copy_(tensors[name])
+    return head, tensors[embedding_name]
+
+
+def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str = "--tokenizer"):
+    """The target's own tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        raise TargetError(_reason(exc, target, option)) from None
