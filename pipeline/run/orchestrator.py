@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.memory import format_size, read_meminfo
-from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
+from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.ledger import Ledger
 from pipeline.run.manifest import (
     FINGERPRINT_ENV,
@@ -493,9 +493,15 @@ class Orchestrator:
         return _Unlock(fh)
 
     def _close_orphans(self, ledger: Ledger) -> None:
-        """Attempts still 'running' belong to a runner that died: end what is left of them."""
+        """Attempts still 'running' belong to a runner that died: end what is left of them, where the
+        ledger says they ran. One that cannot be stopped stays 'running', and nothing starts."""
+        stuck = []
         for row in ledger.running_attempts():
-            killed = self.executor.reap(row.location) if row.location else 0
+            try:
+                killed = self.executor.reap(row.location, row.pid, row.started_at) if row.location else 0
+            except AttemptStillRunning as exc:
+                stuck.append(f"{row.step} attempt {row.attempt} of an earlier run: {exc}")
+                continue
             reason = (
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
                 f"found at the next run, {killed} leftover process(es) killed"
@@ -503,6 +509,8 @@ class Orchestrator:
             ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
                                fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
             self.reporter.note(f"{row.step} attempt {row.attempt}: {reason}")
+        if stuck:
+            raise RunDirBusy(f"{self.run_dir} is in use: {'; '.join(stuck)}")
         latest = ledger.latest_run()
         if latest and latest["state"] == "running":
             ledger.end_run(latest["run_id"], "cancelled")

@@ -76,7 +76,7 @@ class FakeExecutor:
         self.attempts.append(attempt)
         return attempt
 
-    def reap(self, where: str) -> int:
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
         return 0
 
     def started(self, step: str) -> list[FakeAttempt]:
