@@ -14,6 +14,8 @@ from rich.table import Table
 
 from pipeline.memory import format_duration, format_size
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
+from pipeline.run.manifest import MANIFEST_NAME, read_manifest
+from pipeline.run.spec import PipelineError, load_pipeline
 
 VERDICT_STYLE = {
     "succeeded": "green",
@@ -140,8 +142,9 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     return 0
 
 
-def explain(row: AttemptRow, run_dir: Path) -> list[str]:
-    """Plain sentences saying why an attempt ended as it did, and the facts behind it."""
+def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list[str]:
+    """Plain sentences saying why an attempt ended as it did, and the facts behind it; ``pipeline``
+    is the pipeline file, which declares the step's outputs."""
     verdict = row.verdict
     if verdict is None:
         return [f"{row.step} attempt {row.attempt} is still running (pid {row.pid}, {row.location})."]
@@ -167,9 +170,41 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
     if tail and verdict != "succeeded":
         lines.append("Last lines of stderr:")
         lines.extend(f"    {t}" for t in tail)
+    if verdict in ("crashed", "failed") and pipeline:
+        lines += _outputs_without_manifest(row, Path(run_dir), pipeline)
     logs = Path(run_dir) / ".eyrie" / "logs" / row.step
     lines.append(f"Logs: {logs}/attempt-{row.attempt}.stdout.log and .stderr.log")
     return lines
+
+
+def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> list[str]:
+    """When every output the step declares was written during this attempt but no manifest says
+    they are complete: their sizes and last writes, and how a plain command declares completion."""
+    try:
+        outputs = load_pipeline(pipeline).step(row.step).outputs
+    except (PipelineError, KeyError):  # the file moved or changed since: nothing to compare with
+        return []
+    step_dir = run_dir / row.step
+    if not outputs or read_manifest(step_dir) is not None:
+        return []
+    facts = []
+    for name in outputs:
+        path = step_dir / name
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        if not files:
+            return []
+        written = max(f.stat().st_mtime for f in files)
+        if not row.started_at <= written <= (row.ended_at or time.time()) + 1:
+            return []  # written by another attempt
+        size = sum(f.stat().st_size for f in files)
+        facts.append(f"{name} ({format_size(size)}, last written {_clock(written)})")
+    return [
+        f"Every declared output was written during this attempt, but no {MANIFEST_NAME} says they are "
+        f"complete: {', '.join(facts)}.",
+        f"If the command had finished them, it can declare it before it exits: `eyrie manifest "
+        f"{' '.join(outputs)}` (from Python, pipeline.run.manifest.write_manifest); a crash after that "
+        "is completed_then_crashed, and the outputs are kept.",
+    ]
 
 
 def explain_command(run_dir: Path, step: str, attempt: int | None) -> int:
@@ -201,6 +236,7 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return 2
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    for line in explain(row, run_dir):
+    latest = ledger.latest_run()
+    for line in explain(row, run_dir, latest["pipeline"] if latest else None):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

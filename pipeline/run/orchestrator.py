@@ -36,6 +36,7 @@ from pipeline.run.manifest import (
     STEP_DIR_ENV,
     STEP_NAME_ENV,
     check_manifest,
+    invalidate_manifest,
     manifest_digest,
     read_manifest,
     sha256_file,
@@ -278,8 +279,7 @@ class Orchestrator:
                limit: int, limit_reason: str | None) -> None:  # fmt: skip
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
-        # A manifest from an earlier attempt must not make this one look complete.
-        (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
         attempt = ledger.next_attempt_number(step.name)
         logs = self.run_dir / STATE_DIR / "logs" / step.name
         meminfo = read_meminfo()

@@ -274,6 +274,49 @@ steps:
     assert attempt["verdict"] == "cancelled"
 
 
+def test_a_plain_script_declares_its_outputs_complete_with_eyrie_manifest(tmp_path):
+    """The seeds' case in a shell: outputs written, then a crash at teardown. Declared complete first,
+    it is completed_then_crashed and the pipeline goes on; undeclared, it is crashed, and explain
+    says the outputs are there and how to declare them."""
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: declared
+    command: [sh, -c, "echo x > out.txt && eyrie manifest out.txt && kill -ABRT $$"]
+    memory: 96MiB
+    outputs: [out.txt]
+  - name: after
+    command: [sh, -c, "cat ../declared/out.txt > copy.txt"]
+    memory: 96MiB
+    needs: [declared]
+    outputs: [copy.txt]
+  - name: undeclared
+    command: [sh, -c, "echo x > out.txt && mkdir -p parts && echo y > parts/a.txt && kill -ABRT $$"]
+    memory: 96MiB
+    outputs: [out.txt, parts]
+""",
+    )
+    run_dir = tmp_path / "run"
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+    assert result.returncode == 1, result.stdout + result.stderr  # `undeclared` crashed
+    attempts = {a["step"]: a for a in attempts_json(run_dir)}
+    assert attempts["declared"]["verdict"] == "completed_then_crashed"
+    assert attempts["declared"]["signal"] == signal.SIGABRT
+    assert attempts["after"]["verdict"] == "succeeded"
+    assert attempts["undeclared"]["verdict"] == "crashed"
+
+    explained = " ".join(eyrie("explain", "undeclared", "--run-dir", str(run_dir), check=True).stdout.split())
+    assert (
+        "Every declared output was written during this attempt, but no manifest.json says they are complete"
+        in explained
+    )
+    assert "out.txt (2 B, last written " in explained and "parts (2 B, last written " in explained
+    assert "`eyrie manifest out.txt parts`" in explained and "completed_then_crashed" in explained
+    declared = eyrie("explain", "declared", "--run-dir", str(run_dir), check=True).stdout
+    assert "Every declared output" not in declared
+
+
 def _cgroup_for_another_shell(name: str):
     """A memory cgroup beside this process's own, as another SSH session or systemd scope has."""
     from pipeline.memory import current_cgroup

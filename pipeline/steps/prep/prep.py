@@ -29,7 +29,7 @@ from rich.table import Table
 
 from pipeline.memory.budget import memory_budget
 from pipeline.memory.units import format_size, parse_size
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
 from pipeline.steps.prep.sources import SourceResult, kind_of, prepare_source, tokenized_schema
 
@@ -251,6 +251,7 @@ def prep(
     seed = catalog.seed if seed is None else seed
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     step_dir.mkdir(parents=True, exist_ok=True)
+    invalidate_manifest(step_dir)
     parts = step_dir / PARTS_DIR
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir()

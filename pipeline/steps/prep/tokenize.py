@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.memory.units import parse_size
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.pieces import Pieces
 from pipeline.steps.prep.prep import plan_workers
 
@@ -526,6 +526,7 @@ def tokenize(
     worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
+    invalidate_manifest(step_dir)
     if not encoder.template.markers:
         console.print(
             f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "

@@ -86,6 +86,19 @@ def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
     assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json", ".parts"])
 
 
+def test_a_failed_rerun_leaves_no_manifest_over_the_old_outputs(tmp_path, capsys):
+    gsm = {"name": "math", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
+           "fields": {"prompt": "question", "response": "answer"}}  # fmt: skip
+    out = tmp_path / "out"
+    assert prep(write_catalog(tmp_path, [gsm]), out) == 0
+    assert check_manifest(out, OUTPUTS)[0]
+    broken = {**gsm, "fields": {"prompt": "input"}}  # every row now lacks its prompt
+    assert prep(write_catalog(tmp_path, [broken]), out) == 1
+    complete, why = check_manifest(out, OUTPUTS)
+    assert not complete and "no valid manifest.json" in why
+    assert (out / "prompts.jsonl").exists()  # the earlier outputs are not deleted, only not vouched for
+
+
 def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(500)))

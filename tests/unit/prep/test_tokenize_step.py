@@ -74,6 +74,15 @@ def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
     assert max(lengths) == 600 and stats["truncated"] >= sum(n == 600 for n in lengths) > 0
 
 
+def test_a_failed_rerun_leaves_no_manifest_over_the_old_shards(prepped, tiny_tokenizer, tmp_path):
+    out = tmp_path / "tok"
+    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out) == 0
+    bad = tmp_path / "conversations.jsonl"
+    bad.write_text("not json\n")
+    assert tokenize(tiny_tokenizer, [bad], [], out) == 1
+    assert not check_manifest(out, ["shards"])[0] and (out / "shards").is_dir()
+
+
 def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tmp_path):
     rows = tmp_path / "native_tokenized.parquet"
     pq.write_table(
