@@ -22,11 +22,19 @@ Message = dict[str, Any]
 
 
 class Reject(Exception):
-    """A row that yields no record; ``reason`` is the counter it is filed under."""
+    """A row that yields no record; ``reason`` is the counter it is filed under, ``names`` what in
+    the row caused it, where that helps fix the catalog (the speakers the role map lacks)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, names: tuple[str, ...] = ()):
         super().__init__(reason)
         self.reason = reason
+        self.names = names
+
+
+def _unknown_roles(turns: list, key: str, roles: dict[str, str]) -> Reject:
+    """The rejection of a row with speakers the role map lacks, naming every one of them."""
+    names = {str(t[key]) for t in turns if isinstance(t, dict) and key in t and t[key] not in roles}
+    return Reject("unknown_role", tuple(sorted(names)))
 
 
 @dataclass
@@ -192,7 +200,7 @@ def adapt_messages(row: dict, source: Source) -> Conversation:
             raise Reject("bad_turn_keys")
         role = roles.get(turn["role"])
         if role is None:
-            raise Reject("unknown_role")
+            raise _unknown_roles(turns, "role", roles)
         text = text_of(turn["content"])
         if role == "assistant":
             calls = _openai_tool_calls(turn.get("tool_calls"))
@@ -219,7 +227,7 @@ def adapt_sharegpt(row: dict, source: Source) -> Conversation:
             raise Reject("bad_turn_keys")
         role = roles.get(turn["from"])
         if role is None:
-            raise Reject("unknown_role")
+            raise _unknown_roles(turns, "from", roles)
         text = text_of(turn["value"])
         if role == "assistant":
             answer, calls = _hermes_tool_calls(text, counter)
