@@ -42,7 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.memory.units import parse_size
 from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
-from pipeline.steps.prep.adapters import Tokenized
+from pipeline.steps.prep.adapters import Tokenized, kimi_tool_call_ids
 from pipeline.steps.prep.pieces import Pieces
 from pipeline.steps.prep.prep import plan_workers
 from pipeline.steps.prep.sources import POSITION_PREFIX, record_id, tokenized_key, tokenized_schema
@@ -85,6 +85,9 @@ class ChatTemplate:
     name: str
     source: str
     markers: bool
+    names_calls_by_id: bool = False
+    """It writes a tool call's id where other templates write the function's name (Kimi's do):
+    conversations get Kimi's ids, ``functions.NAME:IDX``, before it renders them."""
 
     @property
     def method(self) -> str:
@@ -201,7 +204,25 @@ def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
             f"chat template {name!r} writes {', '.join(missing)}, which the tokenizer does not have as "
             f"tokens; use the target's own template (--chat-template tokenizer) or its tokenizer"
         )
-    return ChatTemplate(name, source, bool(_GENERATION_RE.search(source)))
+    template = ChatTemplate(name, source, bool(_GENERATION_RE.search(source)))
+    template.names_calls_by_id = _names_calls_by_id(template, dict(tokenizer.special_tokens_map))
+    return template
+
+
+def _names_calls_by_id(template: ChatTemplate, special: dict) -> bool:
+    """Whether the template names a tool call only by its id: a probe call's id is in the text, its
+    function's name is not."""
+    call = {"id": "call_probe_id", "type": "function", "function": {"name": "probe_name", "arguments": "{}"}}
+    probe = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "!"},
+    ]
+    try:
+        text, _ = _render(template, probe, None, special=special)
+    except Exception:  # a template that cannot render tool calls has no names to lose
+        return False
+    return call["id"] in text and call["function"]["name"] not in text
 
 
 def _render(
@@ -391,6 +412,8 @@ class Tokenizer:
         cut: list[tuple[int, str, list]] = []
         for messages, tools in conversations:
             try:
+                if self.template.names_calls_by_id:
+                    messages = kimi_tool_call_ids(messages)
                 text, spans = assistant_spans(self.template, messages, tools, self.special)
             except TokenizeError:
                 raise

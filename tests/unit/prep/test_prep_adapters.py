@@ -12,6 +12,7 @@ from pipeline.steps.prep.adapters import (
     adapt_pairs,
     adapt_sharegpt,
     adapt_tokenized,
+    kimi_tool_call_ids,
     split_reasoning,
 )
 from pipeline.steps.prep.catalog import Source
@@ -62,8 +63,47 @@ def test_messages_json_string_with_tool_calls_and_text_parts():
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool"]
     assert conv.messages[0]["content"] == "sys"
     call = conv.messages[2]["tool_calls"][0]
-    assert call == {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"c": 1}'}}
-    assert conv.messages[3] == {"role": "tool", "content": "ok", "tool_call_id": "call_1"}
+    assert call == {
+        "id": "functions.bash:0",  # Kimi's form: the id names the function
+        "type": "function",
+        "function": {"name": "bash", "arguments": '{"c": 1}'},
+    }
+    assert conv.messages[3] == {"role": "tool", "content": "ok", "tool_call_id": "functions.bash:0"}
+
+
+def call(call_id, name):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def test_openai_call_ids_become_kimi_ids_counted_across_the_conversation():
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("call_1", "bash"), call("call_2", "view")]},
+        {"role": "tool", "content": "viewed", "tool_call_id": "call_2"},  # answers out of order
+        {"role": "tool", "content": "ran"},  # no id: the call left unanswered
+        {"role": "assistant", "content": "", "tool_calls": [call("call_1", "bash")]},  # an id reused
+        {"role": "tool", "content": "ran again", "tool_call_id": "call_1"},
+    ]
+    out = kimi_tool_call_ids(messages)
+    ids = [c["id"] for m in out for c in m.get("tool_calls", [])]
+    assert ids == ["functions.bash:0", "functions.view:1", "functions.bash:2"]
+    answers = [m["tool_call_id"] for m in out if m["role"] == "tool"]
+    assert answers == ["functions.view:1", "functions.bash:0", "functions.bash:2"]
+    assert messages[1]["tool_calls"][0]["id"] == "call_1"  # the input is left as it was
+
+
+def test_ids_already_in_kimi_form_are_kept_as_the_target_wrote_them():
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("functions.bash:3", "bash")]},
+        {"role": "tool", "content": "ran", "tool_call_id": "functions.bash:3"},
+    ]
+    assert kimi_tool_call_ids(messages) == messages
+    mixed = [*messages, {"role": "assistant", "content": "", "tool_calls": [call("call_9", "view")]}]
+    assert [c["id"] for m in kimi_tool_call_ids(mixed) for c in m.get("tool_calls", [])] == [
+        "functions.bash:0",
+        "functions.view:1",
+    ]
 
 
 def test_sharegpt_hermes_tool_calls_become_structured():
