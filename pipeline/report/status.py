@@ -194,7 +194,8 @@ def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> 
         if not files:
             return []
         written = max(f.stat().st_mtime for f in files)
-        if not row.started_at <= written <= (row.ended_at or time.time()) + 1:
+        # file times come from the kernel's coarse clock, up to a tick behind the attempt's times
+        if not row.started_at - 1 <= written <= (row.ended_at or time.time()) + 1:
             return []  # written by another attempt
         size = sum(f.stat().st_size for f in files)
         facts.append(f"{name} ({format_size(size)}, last written {_clock(written)})")
