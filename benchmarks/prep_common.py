@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from pathlib import Path
 
 from pipeline.steps.prep.catalog import load_catalog
-from pipeline.steps.prep.sources import prepare_source
+from pipeline.steps.prep.sources import part_records, prepare_source
 from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
 
 TEMPLATES = ("kimi-k2", "tokenizer", "unmarked")
@@ -47,8 +46,7 @@ def sample_conversations() -> list[dict]:
             result = prepare_source(
                 native, native.location(catalog.base, True), Path(parts) / source.name, 100
             )
-            with open(result.parts[0], encoding="utf-8") as fh:
-                out += [json.loads(line.split("\t", 1)[1]) for line in fh]
+            out += part_records(result.parts[0])
     return out
 
 

@@ -64,7 +64,8 @@ def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[fl
 
     encoder = Tokenizer(folder, template)
     texts = [
-        _render(encoder.template, m, t, special=encoder.special)[0] for _, m, t in read_conversations(native)
+        _render(encoder.template, c.messages, c.tools, special=encoder.special)[0]
+        for c in read_conversations(native)
     ]
     encode = getattr(encoder.backend, method)
     started = time.perf_counter()

@@ -116,6 +116,21 @@ def memory(
 
 
 @app.command()
+def manifest(
+    outputs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="OUTPUT", help="The step's finished outputs (files or folders in its directory)."
+        ),
+    ],
+) -> None:
+    """Declare a step's outputs complete: hash them into its manifest.json, as the Python API does."""
+    from pipeline.run.manifest import manifest_command
+
+    raise typer.Exit(manifest_command(outputs))
+
+
+@app.command()
 def prep(
     catalog: Annotated[
         Path | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal as signals
 import sqlite3
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -16,6 +17,8 @@ from pipeline.report.neighbours import neighbours
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
+from pipeline.run.manifest import MANIFEST_NAME, read_manifest
+from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.verdict import meaningful
 
 VERDICT_STYLE = {
@@ -184,8 +187,9 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     return 0
 
 
-def explain(row: AttemptRow, run_dir: Path) -> list[str]:
-    """Plain sentences saying why an attempt ended as it did, and the facts behind it."""
+def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list[str]:
+    """Plain sentences saying why an attempt ended as it did, and the facts behind it; ``pipeline``
+    is the pipeline file, which declares the step's outputs."""
     verdict = row.verdict
     if verdict is None:
         where = f"pid {row.pid}, {row.location}" if row.pid else row.location  # a Slurm job has no pid here
@@ -212,9 +216,42 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
     if tail and verdict != "succeeded":
         lines.append("Last lines of stderr:")
         lines.extend(f"    {t}" for t in tail)
+    if verdict in ("crashed", "failed") and pipeline:
+        lines += _outputs_without_manifest(row, Path(run_dir), pipeline)
     stdout_log, stderr_log = attempt_logs(run_dir, row.step, row.attempt)
     lines.append(f"Logs: {stdout_log} and {stderr_log.name}")
     return lines
+
+
+def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> list[str]:
+    """When every output the step declares was written during this attempt but no manifest says
+    they are complete: their sizes and last writes, and how a plain command declares completion."""
+    try:
+        outputs = load_pipeline(pipeline).step(row.step).outputs
+    except (PipelineError, KeyError):  # the file moved or changed since: nothing to compare with
+        return []
+    step_dir = run_dir / row.step
+    if not outputs or read_manifest(step_dir) is not None:
+        return []
+    facts = []
+    for name in outputs:
+        path = step_dir / name
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        if not files:
+            return []
+        written = max(f.stat().st_mtime for f in files)
+        # file times come from the kernel's coarse clock, up to a tick behind the attempt's times
+        if not row.started_at - 1 <= written <= (row.ended_at or time.time()) + 1:
+            return []  # written by another attempt
+        size = sum(f.stat().st_size for f in files)
+        facts.append(f"{name} ({format_size(size)}, last written {clock(written)})")
+    return [
+        f"Every declared output was written during this attempt, but no {MANIFEST_NAME} says they are "
+        f"complete: {', '.join(facts)}.",
+        f"If the command had finished them, it can declare it before it exits: `eyrie manifest "
+        f"{' '.join(outputs)}` (from Python, pipeline.run.manifest.write_manifest); a crash after that "
+        "is completed_then_crashed, and the outputs are kept.",
+    ]
 
 
 def explain_command(run_dir: Path | None, runs: Path, step: str, attempt: int | None) -> int:
@@ -249,6 +286,7 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return 2
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    for line in explain(row, run_dir) + neighbours(ledger, row):
+    latest = ledger.latest_run()
+    for line in explain(row, run_dir, latest["pipeline"] if latest else None) + neighbours(ledger, row):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

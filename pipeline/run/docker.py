@@ -440,7 +440,8 @@ class DockerExecutor:
         """A container whose runner died has lost its evidence reader: it is reaped."""
         return None
 
-    def reap(self, where: str) -> int:
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
+        # The container id is the attempt's identity; its pid is in the Docker host's namespace.
         try:
             container = self.client.containers.get(where)
         except docker.errors.NotFound:

@@ -125,6 +125,18 @@ class Outcome:
             return f"signal {self.signal}"
 
 
+class AttemptStillRunning(RuntimeError):
+    """What is left of an earlier attempt could not be stopped: its processes outlived SIGKILL
+    (uninterruptible sleep, a frozen cgroup) or refused the signal."""
+
+    def __init__(self, pids: list[int], where: str) -> None:
+        super().__init__(
+            f"process(es) {', '.join(map(str, pids))} ({where}) still run after SIGKILL and may still "
+            "write its outputs; end them (a frozen cgroup must be thawed), then run again"
+        )
+        self.pids = pids
+
+
 class RunningAttempt(Protocol):
     pid: int | None
     where: str
@@ -153,8 +165,10 @@ class Executor(Protocol):
 
     def start(self, launch: Launch) -> RunningAttempt: ...
 
-    def reap(self, where: str) -> int:
-        """End what is left of an attempt whose runner died (``where`` as recorded); how many died."""
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
+        """End what is left of an attempt whose runner died, from what the ledger recorded: where it
+        ran, its main process, when it began. Returns how many processes were killed; raises
+        AttemptStillRunning when some could not be stopped."""
 
     def resume(self, where: str, launch: Launch) -> RunningAttempt | None:
         """An attempt a runner that died left behind, watched again when it can be (a Slurm job

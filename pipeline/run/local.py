@@ -8,11 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.memory import Budget, Cgroup, CgroupError, memory_budget, step_parent
-from pipeline.run.executor import Launch, LineCapture, Outcome, StepOptions
+from pipeline.memory import Budget, Cgroup, CgroupError, current_cgroup, memory_budget, step_parent
+from pipeline.run.executor import AttemptStillRunning, Launch, LineCapture, Outcome, StepOptions
 from pipeline.run.monitor import CgroupMonitor
 
 STOP_GRACE_S = 5.0
+# A recorded pid is the attempt's own only if that process began with the attempt (not a later
+# process given the same pid): within this many seconds of the recorded start.
+PID_START_MATCH_S = 10.0
 
 # The process joins its cgroup before it execs the step, so nothing the step
 # allocates is ever charged elsewhere; `exec` keeps the step's pid = this pid.
@@ -104,15 +107,24 @@ class LocalExecutor:
         """Steps run under this process's cgroup: they share what this process really has."""
         return memory_budget()
 
-    def reap(self, where: str) -> int:
-        cgroup = self.parent.child(Path(where).name)
-        if not cgroup.exists():
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
+        """Kill what is left in the attempt's cgroup, at the path recorded (the runner that starts
+        again may run in another cgroup: another SSH session, another systemd scope); where that
+        cgroup is gone, its main process and that process's group, if it is still the same one."""
+        cgroup = self._recorded_cgroup(where)
+        if cgroup is not None and cgroup.exists():
+            killed = cgroup.kill_all()
+            left = _wait_gone(cgroup.procs)
+            cgroup.remove()
+        elif pid is not None and _started_within(pid, started_at, PID_START_MATCH_S):
+            # the step was started in a session of its own: its children share its process group
+            members = sorted({pid, *_group_members(pid)})
+            killed = _kill(members)
+            left = _wait_gone(lambda: [p for p in members if _alive(p)])
+        else:
             return 0
-        killed = cgroup.kill_all()
-        deadline = time.monotonic() + STOP_GRACE_S
-        while cgroup.procs() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        cgroup.remove()
+        if left:
+            raise AttemptStillRunning(left, where)
         return killed
 
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
@@ -121,6 +133,18 @@ class LocalExecutor:
     def resume(self, where: str, launch: Launch) -> None:
         """A step process whose runner died cannot be waited for (it is not our child): reap it."""
         return None
+
+    def _recorded_cgroup(self, where: str) -> Cgroup | None:
+        """The cgroup at the recorded path, if it is one a step ran in: under this hierarchy's mount,
+        not this process's own cgroup or an ancestor of it, and with no cgroups of its own."""
+        try:
+            relative = Path(where).relative_to(self.parent.mount)
+        except ValueError:
+            return None
+        cgroup = type(self.parent)(self.parent.mount, str(relative))
+        if cgroup in current_cgroup().ancestors() or any(p.is_dir() for p in cgroup.path.glob("*/")):
+            return None
+        return cgroup
 
     def start(self, launch: Launch) -> LocalAttempt:
         cgroup = self.cgroup_for(launch)
@@ -136,3 +160,54 @@ class LocalExecutor:
         launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
         os.makedirs(launch.cwd, exist_ok=True)
         return LocalAttempt(launch, cgroup)
+
+
+def _wait_gone(members, seconds: float = STOP_GRACE_S) -> list[int]:
+    """Wait until ``members()`` lists no process; what it still lists after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (left := members()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")  # a zombie holds nothing but its pid
+
+
+def _started_within(pid: int, started_at: float, seconds: float) -> bool:
+    fields = _stat(pid)
+    if fields is None:
+        return False
+    stat = Path("/proc/stat").read_text().splitlines()
+    boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
+    began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks since boot
+    return started_at - 2 <= began <= started_at + seconds  # btime is whole seconds
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return [pid for pid in members if _alive(pid)]
+
+
+def _kill(pids: list[int]) -> int:
+    killed = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed

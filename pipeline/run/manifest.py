@@ -1,11 +1,13 @@
 """The step contract's output side: atomic writes and the manifest that says "outputs complete".
 
-A step writes each output through a temporary name and renames it into place
+A step first removes the manifest of an earlier attempt (``invalidate_manifest``),
+writes each output through a temporary name and renames it into place
 (``atomic_path``), then writes ``manifest.json`` in its step directory
-(``write_manifest``). Outputs are complete when the manifest exists and every
-file it lists still has the recorded size and sha256 (``check_manifest``).
-The runner passes the step's input fingerprint in ``EYRIE_STEP_FINGERPRINT``;
-the manifest records it, so a rerun can tell whether the inputs changed.
+(``write_manifest``; a plain command runs ``eyrie manifest OUTPUT…``). Outputs
+are complete when the manifest exists and every file it lists still has the
+recorded size and sha256 (``check_manifest``). The runner passes the step's
+input fingerprint in ``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a
+rerun can tell whether the inputs changed.
 """
 
 from __future__ import annotations
@@ -160,6 +162,51 @@ def write_manifest(
     return manifest
 
 
+def invalidate_manifest(step_dir: str | os.PathLike[str]) -> None:
+    """Remove the step's manifest before its outputs are written again: an attempt that then fails
+    must not leave the earlier outputs looking complete."""
+    path = Path(step_dir) / MANIFEST_NAME
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+
+
+def declare_outputs(outputs: list[str | os.PathLike[str]]) -> Manifest:
+    """``eyrie manifest OUTPUT…``: the manifest of a step's finished outputs, as ``write_manifest``
+    writes it for the step directory (the runner's, else the current one). Paths are relative to the
+    current directory, which is the step directory when the runner started the command."""
+    step_dir = step_dir_from_env().resolve()
+    names = []
+    for output in outputs:
+        path = Path(os.path.abspath(output))
+        if step_dir not in path.parents:
+            raise ValueError(f"{output}: not inside the step directory {step_dir}; name outputs in it")
+        if not path.exists():
+            raise FileNotFoundError(f"{output}: no such file or folder in {step_dir}; write it first")
+        names.append(str(path.relative_to(step_dir)))
+    return write_manifest(step_dir, names)
+
+
+def manifest_command(outputs: list[Path]) -> int:
+    """``eyrie manifest``: the exit code; a bad output is one line, and no manifest is written."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    try:
+        manifest = declare_outputs(outputs)
+    except (ValueError, FileNotFoundError) as exc:
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    files = [entry for entries in manifest.outputs.values() for entry in entries.values()]
+    print(
+        f"manifest: {len(manifest.outputs)} output(s), {len(files)} file(s), "
+        f"{sum(e.bytes for e in files):,} bytes -> {step_dir_from_env() / MANIFEST_NAME}"
+    )
+    return 0
+
+
 def read_manifest(step_dir: str | os.PathLike[str]) -> Manifest | None:
     path = Path(step_dir) / MANIFEST_NAME
     try:
@@ -213,6 +260,8 @@ __all__ = [
     "atomic_path",
     "atomic_write_text",
     "check_manifest",
+    "declare_outputs",
+    "invalidate_manifest",
     "manifest_digest",
     "read_manifest",
     "step_dir_from_env",

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from pipeline.memory import format_size, read_meminfo
 from pipeline.run import EXECUTORS
-from pipeline.run.executor import Executor, Launch, Outcome, RunningAttempt
+from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import AttemptRow, Ledger
@@ -41,6 +41,7 @@ from pipeline.run.manifest import (
     STEP_DIR_ENV,
     STEP_NAME_ENV,
     check_manifest,
+    invalidate_manifest,
     manifest_digest,
     read_manifest,
     sha256_file,
@@ -317,8 +318,7 @@ class Orchestrator:
                limit: int, limit_reason: str | None) -> None:  # fmt: skip
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
-        # A manifest from an earlier attempt must not make this one look complete.
-        (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
         attempt = ledger.next_attempt_number(step.name)
         meminfo = read_meminfo()
         launch = self._launch(step, attempt, argv, fingerprint, limit)
@@ -534,8 +534,9 @@ class Orchestrator:
     def _close_orphans(self, ledger: Ledger) -> list[_Running]:
         """Attempts still 'running' belong to a runner that died. Those the executor can watch
         again (a Slurm job, found by its id) are handed back, to be waited for like any other, when
-        their step is unchanged; what is left of the others is ended and recorded cancelled."""
-        resumed = []
+        their step is unchanged; what is left of the others is ended where the ledger says they ran
+        and recorded cancelled. One that cannot be stopped stays 'running', and nothing starts."""
+        resumed, stuck = [], []
         for row in ledger.running_attempts():
             running, why_not = self._resume(row)
             if running is not None:
@@ -545,7 +546,11 @@ class Orchestrator:
                     f"before it ended; found it again ({running.handle.where}), waiting for it"
                 )
                 continue
-            killed = self.executor.reap(row.location) if row.location else 0
+            try:
+                killed = self.executor.reap(row.location, row.pid, row.started_at) if row.location else 0
+            except AttemptStillRunning as exc:
+                stuck.append(f"{row.step} attempt {row.attempt} of an earlier run: {exc}")
+                continue
             reason = (
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
                 f"found at the next run{why_not}, {killed} leftover process(es) killed"
@@ -553,6 +558,8 @@ class Orchestrator:
             ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
                                fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
             self.reporter.note(f"{row.step} attempt {row.attempt}: {reason}")
+        if stuck:
+            raise RunDirBusy(f"{self.run_dir} is in use: {'; '.join(stuck)}")
         latest = ledger.latest_run()
         if latest and latest["state"] == "running":
             ledger.end_run(latest["run_id"], "cancelled")

@@ -610,7 +610,8 @@ class SlurmExecutor:
         # What the job wrote while nobody followed its logs was shown then by nobody: shown now.
         return SlurmAttempt(self, launch, job_id, time.time())
 
-    def reap(self, where: str) -> int:
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
+        # The job id is the attempt's identity; its processes live on the nodes, where Slurm ends them.
         job_id = _job_id(where)
         known = _slurm("squeue", "-h", "-j", job_id, "-o", "%T")
         active = known.returncode == 0 and bool(known.stdout.strip())

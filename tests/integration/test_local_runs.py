@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -271,3 +272,163 @@ steps:
     assert runner.returncode == 130, output
     (attempt,) = attempts_json(run_dir)
     assert attempt["verdict"] == "cancelled"
+
+
+def test_a_plain_script_declares_its_outputs_complete_with_eyrie_manifest(tmp_path):
+    """The seeds' case in a shell: outputs written, then a crash at teardown. Declared complete first,
+    it is completed_then_crashed and the pipeline goes on; undeclared, it is crashed, and explain
+    says the outputs are there and how to declare them."""
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: declared
+    command: [sh, -c, "echo x > out.txt && eyrie manifest out.txt && kill -ABRT $$"]
+    memory: 96MiB
+    outputs: [out.txt]
+  - name: after
+    command: [sh, -c, "cat ../declared/out.txt > copy.txt"]
+    memory: 96MiB
+    needs: [declared]
+    outputs: [copy.txt]
+  - name: undeclared
+    command: [sh, -c, "echo x > out.txt && mkdir -p parts && echo y > parts/a.txt && kill -ABRT $$"]
+    memory: 96MiB
+    outputs: [out.txt, parts]
+""",
+    )
+    run_dir = tmp_path / "run"
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+    assert result.returncode == 1, result.stdout + result.stderr  # `undeclared` crashed
+    attempts = {a["step"]: a for a in attempts_json(run_dir)}
+    assert attempts["declared"]["verdict"] == "completed_then_crashed"
+    assert attempts["declared"]["signal"] == signal.SIGABRT
+    assert attempts["after"]["verdict"] == "succeeded"
+    assert attempts["undeclared"]["verdict"] == "crashed"
+
+    explained = " ".join(eyrie("explain", "undeclared", "--run-dir", str(run_dir), check=True).stdout.split())
+    assert (
+        "Every declared output was written during this attempt, but no manifest.json says they are complete"
+        in explained
+    )
+    assert "out.txt (2 B, last written " in explained and "parts (2 B, last written " in explained
+    assert "`eyrie manifest out.txt parts`" in explained and "completed_then_crashed" in explained
+    declared = eyrie("explain", "declared", "--run-dir", str(run_dir), check=True).stdout
+    assert "Every declared output" not in declared
+
+
+def _cgroup_for_another_shell(name: str):
+    """A memory cgroup beside this process's own, as another SSH session or systemd scope has."""
+    from pipeline.memory import current_cgroup
+    from pipeline.memory.cgroup import SUPERVISOR_LEAF
+
+    own = current_cgroup()
+    if own.path.name == SUPERVISOR_LEAF:  # v2: this process was moved into the leaf, steps beside it
+        own = own.parent()
+    other = own.child(name)
+    other.create()
+    return other
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a cgroup and those below it, deepest first (a cgroup still holding processes stays)."""
+    for folder in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _start_then_kill_the_runner(pipeline: Path, run_dir: Path) -> int:
+    """`eyrie run` until its step runs, then SIGKILL to the runner alone; the step's pid."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (run_dir / "ledger.sqlite").exists() and (rows := attempts_json(run_dir)) and rows[0]["pid"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the step never started")
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    return rows[0]["pid"]
+
+
+def _run_in(cgroup, *args: str) -> subprocess.CompletedProcess:
+    """`eyrie ARGS…` started inside ``cgroup``."""
+    return subprocess.run(
+        ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup.path),
+         sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+SLOW_STEP = """
+steps:
+  - name: slow
+    command: [PYTHON, SCENARIO, sleep]
+    memory: 64MiB
+"""
+
+
+def test_a_rerun_from_another_cgroup_ends_the_step_a_killed_runner_left(tmp_path):
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    step_pid = _start_then_kill_the_runner(pipeline, run_dir)
+    left_in = Path(attempts_json(run_dir)[0]["location"])
+    assert left_in.is_dir()
+    other = _cgroup_for_another_shell(f"other-shell-{os.getpid()}")
+    try:
+        pipeline.write_text(pipeline.read_text().replace("sleep]", "succeed]"))
+        result = _run_in(other, "run", str(pipeline), "--run-dir", str(run_dir))
+        assert result.returncode == 0, result.stdout + result.stderr
+        first, second = attempts_json(run_dir)
+        assert first["verdict"] == "cancelled" and "1 leftover process(es) killed" in first["reason"]
+        assert second["verdict"] == "succeeded" and Path(second["location"]).parent != left_in.parent
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):
+                os.kill(step_pid, 0)
+                time.sleep(0.1)
+        assert not left_in.exists()
+    finally:
+        _remove_tree(other.path)
+
+
+def test_a_step_that_cannot_be_stopped_is_not_started_again(tmp_path):
+    """A process that outlives SIGKILL (here: frozen by the v1 freezer, as in uninterruptible
+    sleep) keeps its attempt 'running'; the next run refuses, naming it, and starts nothing."""
+    freezer_root = Path("/sys/fs/cgroup/freezer")
+    if not (freezer_root / "freezer.state").exists() and not (freezer_root / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 freezer here (a v2 freezer lets SIGKILL through)")
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    step_pid = _start_then_kill_the_runner(pipeline, run_dir)
+    frozen = freezer_root / f"eyrie-test-frozen-{os.getpid()}"
+    frozen.mkdir()
+    other = _cgroup_for_another_shell(f"other-shell-{os.getpid()}")
+    try:
+        (frozen / "cgroup.procs").write_text(str(step_pid))
+        (frozen / "freezer.state").write_text("FROZEN")
+        result = _run_in(other, "run", str(pipeline), "--run-dir", str(run_dir))
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert f"slow attempt 1 of an earlier run: process(es) {step_pid} (" in line
+        assert "still run after SIGKILL" in line
+        (attempt,) = attempts_json(run_dir)  # nothing started beside it
+        assert attempt["state"] == "running"
+
+        (frozen / "freezer.state").write_text("THAWED")  # the pending SIGKILL now ends it
+        pipeline.write_text(pipeline.read_text().replace("sleep]", "succeed]"))
+        result = _run_in(other, "run", str(pipeline), "--run-dir", str(run_dir))
+        assert result.returncode == 0, result.stdout + result.stderr
+        first, second = attempts_json(run_dir)
+        assert first["verdict"] == "cancelled" and second["verdict"] == "succeeded"
+    finally:
+        (frozen / "freezer.state").write_text("THAWED")
+        for _ in range(50):
+            if not (frozen / "cgroup.procs").read_text().split():
+                break
+            time.sleep(0.1)
+        frozen.rmdir()
+        _remove_tree(other.path)

@@ -110,6 +110,7 @@ def output_row(row: dict[str, Any], plan: Plan, finish_reasons: list[str | None]
     return {
         "id": row["id"],
         "source": row.get("source"),
+        "source_id": row.get("source_id"),  # the dataset's own row id, kept through to the shards
         "conversations": [_for_output(m) for m in plan.conversation],
         "finish_reason": finish_reasons[-1] if finish_reasons else None,
         "truncated": truncated,

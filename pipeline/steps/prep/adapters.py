@@ -7,6 +7,7 @@ one response field) and ``tokenized`` (``input_ids`` + ``loss_mask``).
 Every message comes out as ``{role, content, reasoning_content?, tool_calls?,
 tool_call_id?}`` with roles system/user/assistant/tool; reasoning blocks
 (``<think>``, ``<|begin_of_thought|>``) are split out into ``reasoning_content``.
+Tool calls carry Kimi's ids, ``functions.NAME:IDX``, which name the function.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ Message = dict[str, Any]
 
 
 class Reject(Exception):
-    """A row that yields no record; ``reason`` is the counter it is filed under."""
+    """A row that yields no record; ``reason`` is the counter it is filed under, ``names`` what in
+    the row caused it, where that helps fix the catalog (the speakers the role map lacks)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, names: tuple[str, ...] = ()):
         super().__init__(reason)
         self.reason = reason
+        self.names = names
+
+
+def _unknown_roles(turns: list, key: str, roles: dict[str, str]) -> Reject:
+    """The rejection of a row with speakers the role map lacks, naming every one of them."""
+    names = {str(t[key]) for t in turns if isinstance(t, dict) and key in t and t[key] not in roles}
+    return Reject("unknown_role", tuple(sorted(names)))
 
 
 @dataclass
@@ -47,6 +56,7 @@ _REASONING_STYLES = [
     ("<think>", "</think>", None),
     ("<|begin_of_thought|>", "<|end_of_thought|>", ("<|begin_of_solution|>", "<|end_of_solution|>")),
 ]
+_KIMI_CALL_ID_RE = re.compile(r"functions\.(.+):\d+")
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _TOOL_RESPONSE_RE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
 
@@ -103,13 +113,13 @@ def _openai_tool_calls(raw: Any) -> list[dict]:
     if not isinstance(raw, list):
         raise Reject("bad_tool_call")
     calls = []
-    for index, call in enumerate(raw):
+    for call in raw:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not function.get("name"):
             raise Reject("bad_tool_call")
         calls.append(
             {
-                "id": call.get("id") or f"functions.{function['name']}:{index}",
+                "id": call.get("id"),  # rewritten by kimi_tool_call_ids
                 "type": "function",
                 "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))},
             }
@@ -137,6 +147,54 @@ def _hermes_tool_calls(text: str, counter: list[int]) -> tuple[str, list[dict]]:
         )
         counter[0] += 1
     return _TOOL_CALL_RE.sub("", text).strip(), calls
+
+
+def kimi_tool_call_ids(messages: list[Message]) -> list[Message]:
+    """The messages with Kimi's tool-call ids, ``functions.NAME:IDX`` (IDX counts the calls of the
+    whole conversation from 0), and each tool result's ``tool_call_id`` remapped to match.
+
+    Kimi's template writes a call's id where other templates write the function's name, so an
+    OpenAI-style ``call_1`` would leave the name out of the tokens. Ids already all in Kimi's form
+    (what the target itself generated) are kept as they are. A tool result whose id is missing or
+    unknown answers the next unanswered call of the assistant turn before it.
+    """
+    calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+    renumber = not all(_is_kimi_call_id(call) for call in calls)
+    out: list[Message] = []
+    renamed: dict[Any, str] = {}
+    unanswered: list[str] = []
+    index = 0
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            renamed, unanswered, turn_calls = {}, [], []
+            for call in message["tool_calls"]:
+                new_id = f"functions.{_call_name(call)}:{index}" if renumber else call["id"]
+                renamed.setdefault(call.get("id"), new_id)
+                unanswered.append(new_id)
+                turn_calls.append({**call, "id": new_id})
+                index += 1
+            message = {**message, "tool_calls": turn_calls}
+        elif message.get("role") == "tool":
+            call_id = message.get("tool_call_id")
+            new_id = renamed.get(call_id)
+            if new_id not in unanswered:
+                new_id = unanswered[0] if unanswered else new_id or call_id
+            if new_id in unanswered:
+                unanswered.remove(new_id)
+            if new_id is not None:
+                message = {**message, "tool_call_id": new_id}
+        out.append(message)
+    return out
+
+
+def _call_name(call: dict) -> Any:
+    """A call's function name; templates accept both OpenAI's ``{function: {name}}`` and ``{name}``."""
+    return (call.get("function") or call)["name"]
+
+
+def _is_kimi_call_id(call: dict) -> bool:
+    match = _KIMI_CALL_ID_RE.fullmatch(str(call.get("id") or ""))
+    return match is not None and match.group(1) == _call_name(call)
 
 
 def _assistant(text: str, reasoning: Any = None, tool_calls: list[dict] | None = None) -> Message:
@@ -192,7 +250,7 @@ def adapt_messages(row: dict, source: Source) -> Conversation:
             raise Reject("bad_turn_keys")
         role = roles.get(turn["role"])
         if role is None:
-            raise Reject("unknown_role")
+            raise _unknown_roles(turns, "role", roles)
         text = text_of(turn["content"])
         if role == "assistant":
             calls = _openai_tool_calls(turn.get("tool_calls"))
@@ -205,7 +263,7 @@ def adapt_messages(row: dict, source: Source) -> Conversation:
             messages.append(message)
         else:
             messages.append({"role": role, "content": text})
-    return Conversation(messages, _tools(row, source.field("tools")))
+    return Conversation(kimi_tool_call_ids(messages), _tools(row, source.field("tools")))
 
 
 def adapt_sharegpt(row: dict, source: Source) -> Conversation:
@@ -219,7 +277,7 @@ def adapt_sharegpt(row: dict, source: Source) -> Conversation:
             raise Reject("bad_turn_keys")
         role = roles.get(turn["from"])
         if role is None:
-            raise Reject("unknown_role")
+            raise _unknown_roles(turns, "from", roles)
         text = text_of(turn["value"])
         if role == "assistant":
             answer, calls = _hermes_tool_calls(text, counter)

@@ -20,6 +20,10 @@ DEFAULT_FIELDS: dict[str, dict[str, str]] = {
     "pairs": {"prompt": "prompt", "response": "response", "system": "system"},
     "tokenized": {"input_ids": "input_ids", "loss_mask": "loss_mask"},
 }
+# Columns holding a dataset's own row id, looked for in this order (``fields: {id: COLUMN}`` names
+# the one to use instead); a row with none is known by its index in the source.
+ID_COLUMNS = ("id", "conversation_id", "conversation_hash", "prompt_id", "traj_id", "instance_id", "uuid")
+ID_FIELD = "id"
 # ShareGPT speakers as the datasets write them; a source can extend the map (``roles:``).
 DEFAULT_ROLES = {
     "system": "system",
@@ -61,11 +65,12 @@ class Source(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Source:
-        unknown = set(self.fields) - set(DEFAULT_FIELDS[self.format])
+        known = {*DEFAULT_FIELDS[self.format], ID_FIELD}
+        unknown = set(self.fields) - known
         if unknown:
             raise ValueError(
                 f"fields {sorted(unknown)} mean nothing to the {self.format!r} adapter "
-                f"(it reads {sorted(DEFAULT_FIELDS[self.format])})"
+                f"(it reads {sorted(known)})"
             )
         bad_roles = {v for v in self.roles.values()} - {"system", "user", "assistant", "tool"}
         if bad_roles:
@@ -74,6 +79,10 @@ class Source(BaseModel):
 
     def field(self, key: str) -> str:
         return self.fields.get(key, DEFAULT_FIELDS[self.format][key])
+
+    def id_columns(self) -> tuple[str, ...]:
+        """Where a row's own id is looked for: the column ``fields: {id: …}`` names, else ID_COLUMNS."""
+        return (self.fields[ID_FIELD],) if ID_FIELD in self.fields else ID_COLUMNS
 
     def role_map(self) -> dict[str, str]:
         return {**DEFAULT_ROLES, **self.roles}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import json
 import mmap
 import multiprocessing
 import os
@@ -29,9 +31,16 @@ from rich.table import Table
 
 from pipeline.memory.budget import memory_budget
 from pipeline.memory.units import format_size, parse_size
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
-from pipeline.steps.prep.sources import SourceResult, kind_of, prepare_source, tokenized_schema
+from pipeline.steps.prep.sources import (
+    POSITION_PREFIX,
+    SourceResult,
+    kind_of,
+    prepare_source,
+    tokenized_schema,
+    unknown_roles_hint,
+)
 
 PROMPTS = "prompts.jsonl"
 NATIVE = "native.jsonl"
@@ -141,27 +150,46 @@ def _shuffle_key(seed: int, key: bytes) -> bytes:
     return hashlib.blake2b(f"{seed}:".encode() + key, digest_size=8).digest()
 
 
+def _parts(results: list[SourceResult], kind: str) -> list[tuple[SourceResult, str, int]]:
+    """``(result, part, rows read before it)`` of every part of one kind: a slice's row positions
+    start after the rows of the source's slices before it."""
+    out = []
+    for result in results:
+        if result.kind == kind:
+            starts = itertools.accumulate(result.part_rows[:-1], initial=0)
+            out += [(result, part, start) for part, start in zip(result.parts, starts, strict=True)]
+    return out
+
+
+def _source_id(position: int) -> bytes:
+    return json.dumps(f"{POSITION_PREFIX}{position}").encode()
+
+
 def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) -> int:
     """Dedup across sources, shuffle by a seeded hash, and write the records; returns the count.
 
-    Only (shuffle key, file, start, end) entries are held in memory, not the records; the records
-    are then copied out of the memory-mapped parts in shuffled order.
+    Only (shuffle key, file, start, end, position) entries are held in memory, not the records; the
+    records are then copied out of the memory-mapped parts in shuffled order. A record known by its
+    position in a slice after the first gets its position in the whole source on the way.
     """
     seen: set[bytes] = set()
-    index: list[tuple[bytes, int, int, int]] = []
-    files = [(result, part) for result in results if result.kind == kind for part in result.parts]
-    for number, (result, part) in enumerate(files):
+    index: list[tuple[bytes, int, int, int, int, int]] = []
+    files = _parts(results, kind)
+    for number, (result, part, start) in enumerate(files):
         with open(part, "rb") as fh:
             offset = 0
             for line in fh:
                 tab = line.index(b"\t")
                 key = line[:tab]
+                tab2 = line.index(b"\t", tab + 1)
+                position = int(line[tab + 1 : tab2]) if start and tab2 > tab + 1 else -1
                 if key in seen:
                     result.duplicates += 1
                     result.accepted -= 1
                 else:
                     seen.add(key)
-                    index.append((_shuffle_key(seed, key), number, offset + tab + 1, offset + len(line)))
+                    shuffle = _shuffle_key(seed, key)
+                    index.append((shuffle, number, offset + tab2 + 1, offset + len(line), position, start))
                 offset += len(line)
     index.sort()
     with contextlib.ExitStack() as stack:
@@ -171,16 +199,21 @@ def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) ->
             )
             if os.path.getsize(part)
             else b""
-            for _, part in files
+            for _, part, _ in files
         ]
         with atomic_path(out) as tmp, open(tmp, "wb") as dest:
-            for _, number, start, end in index:
-                dest.write(maps[number][start:end])
+            for _, number, begin, end, position, start in index:
+                record = maps[number][begin:end]
+                if position >= 0:
+                    in_slice, in_source = _source_id(position), _source_id(start + position)
+                    record = record.replace(b'"source_id": ' + in_slice, b'"source_id": ' + in_source, 1)
+                dest.write(record)
     return len(index)
 
 
 def merge_tokenized(results: list[SourceResult], out: Path) -> int:
     """Concatenate the pre-tokenized parts in catalog order, dropping cross-source duplicates."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     seen: set[str] = set()
@@ -189,7 +222,7 @@ def merge_tokenized(results: list[SourceResult], out: Path) -> int:
     with atomic_path(out) as tmp:
         writer = pq.ParquetWriter(str(tmp), schema)
         try:
-            for result, part in ((r, p) for r in results if r.kind == "tokenized" for p in r.parts):
+            for result, part, start in _parts(results, "tokenized"):
                 for batch in pq.ParquetFile(part).iter_batches():
                     keys = batch.column("key").to_pylist()
                     keep = []
@@ -200,10 +233,22 @@ def merge_tokenized(results: list[SourceResult], out: Path) -> int:
                         else:
                             seen.add(key)
                             keep.append(i)
-                    if keep:
-                        table = batch.take(keep).select(schema.names)
-                        writer.write_batch(table)
-                        rows += len(keep)
+                    if not keep:
+                        continue
+                    table = batch.take(keep)
+                    if start:
+                        source_ids = [
+                            source_id if position is None else f"{POSITION_PREFIX}{start + position}"
+                            for source_id, position in zip(
+                                table.column("source_id").to_pylist(),
+                                table.column("position").to_pylist(),
+                                strict=True,
+                            )
+                        ]
+                        column = table.schema.get_field_index("source_id")
+                        table = table.set_column(column, "source_id", pa.array(source_ids, pa.string()))
+                    writer.write_batch(table.select(schema.names))
+                    rows += len(keep)
         finally:
             writer.close()
     return rows
@@ -215,11 +260,13 @@ def counts_table(results: list[SourceResult]) -> Table:
         justify = "right" if column in ("read", "accepted", "duplicates") else "left"
         table.add_column(column, justify=justify, overflow="fold")
     for r in results:
-        rejected = ", ".join(f"{k} {v}" for k, v in sorted(r.rejected.items())) or "-"
-        status = "[red]failed[/]" if r.error else ("[red]0 accepted[/]" if not r.accepted else "ok")
-        table.add_row(
-            r.name, r.adapter, r.kind, str(r.read), str(r.accepted), str(r.duplicates), rejected, status
+        rejected = ", ".join(
+            f"{k} {v}" + (f" ({', '.join(sorted(r.unknown_roles))})" if k == "unknown_role" else "")
+            for k, v in sorted(r.rejected.items())
         )
+        status = "[red]failed[/]" if r.error else ("[red]0 accepted[/]" if not r.accepted else "ok")
+        counts = (str(r.read), str(r.accepted), str(r.duplicates))
+        table.add_row(r.name, r.adapter, r.kind, *counts, rejected or "-", status)
     return table
 
 
@@ -257,6 +304,7 @@ def prep(
     seed = catalog.seed if seed is None else seed
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     step_dir.mkdir(parents=True, exist_ok=True)
+    invalidate_manifest(step_dir)
     parts = step_dir / PARTS_DIR
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir()
@@ -294,6 +342,10 @@ def prep(
     }
     shutil.rmtree(parts, ignore_errors=True)
     console.print(counts_table(results))
+    for source, r in zip(catalog.sources, results, strict=True):  # results are in catalog order
+        if r.unknown_roles:
+            lost, hint = sum(r.unknown_roles.values()), unknown_roles_hint(source, r.unknown_roles)
+            console.print(f"[yellow]warning:[/] source {r.name!r}: {lost} rows rejected: {escape(hint)}")
     write_manifest(
         step_dir,
         OUTPUTS,

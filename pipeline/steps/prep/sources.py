@@ -2,10 +2,16 @@
 
 A source runs in one worker process, or, when workers outnumber sources, in
 several, each reading a contiguous slice of it (its files or parquet row
-groups); each slice writes one part file. A part line is ``<dedup key>\\t<record
-JSON>``, so the merge can dedup and shuffle across slices and sources without
-parsing records again. Every row is counted: read, accepted, duplicate, or
-rejected under a reason.
+groups); each slice writes one part file. A part line is
+``<dedup key>\\t<position>\\t<record JSON>``, so the merge can dedup and shuffle
+across slices and sources without parsing records again. Every row is counted:
+read, accepted, duplicate, or rejected under a reason.
+
+Every record keeps ``source_id``: the dataset's own id of its row (a column of
+``ID_COLUMNS``), or ``#N``, the row's index in the source (its data files in
+order), when it has none. A slice knows only the indexes of its own rows: for
+such a row ``<position>`` is that index (empty for a row with an id of its own),
+and the merge adds the rows of the slices before it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import json
 import resource
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +35,13 @@ from pipeline.steps.prep.adapters import (
     expected_keys,
     found_keys,
 )
-from pipeline.steps.prep.catalog import LOCAL_SUFFIXES, Source
+from pipeline.steps.prep.catalog import ID_FIELD, LOCAL_SUFFIXES, Source
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZED_BATCH = 1024
 ROW_BATCH = 256
+POSITION_PREFIX = "#"
+"""Starts the ``source_id`` of a row without an id of its own, before its index in the source."""
 
 
 class SourceError(RuntimeError):
@@ -48,10 +57,14 @@ class SourceResult:
     """``prompts``, ``native`` (conversations) or ``tokenized``."""
     parts: list[str] = field(default_factory=list)
     """The part files, in the source's order."""
+    part_rows: list[int] = field(default_factory=list)
+    """Rows read into each part: where the next part's row indexes start."""
     read: int = 0
     accepted: int = 0
     duplicates: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    unknown_roles: dict[str, int] = field(default_factory=dict)
+    """Speaker names the role map lacks, with the rows they cost."""
     error: str | None = None
     seconds: float = 0.0
     worker_peak_rss: int = 0
@@ -65,6 +78,7 @@ class SourceResult:
             "accepted": self.accepted,
             "duplicates": self.duplicates,
             "rejected": dict(sorted(self.rejected.items())),
+            "unknown_roles": dict(sorted(self.unknown_roles.items())),
             "error": self.error,
             "seconds": round(self.seconds, 3),
             "worker_peak_rss": self.worker_peak_rss,
@@ -73,13 +87,22 @@ class SourceResult:
     def absorb(self, other: SourceResult) -> None:
         """Add the counts and part of a later slice of the same source."""
         self.parts += other.parts
+        self.part_rows += other.part_rows
         self.read += other.read
         self.accepted += other.accepted
         self.duplicates += other.duplicates
         self.rejected = dict(Counter(self.rejected) + Counter(other.rejected))
+        self.unknown_roles = dict(Counter(self.unknown_roles) + Counter(other.unknown_roles))
         self.error = self.error or other.error
         self.seconds = max(self.seconds, other.seconds)
         self.worker_peak_rss = max(self.worker_peak_rss, other.worker_peak_rss)
+
+
+def part_records(part: str | Path) -> Iterator[dict]:
+    """The records of a conversation part file, in its order."""
+    with open(part, encoding="utf-8") as fh:
+        for line in fh:
+            yield json.loads(line.split("\t", 2)[2])
 
 
 def kind_of(source: Source) -> str:
@@ -127,7 +150,26 @@ def _chars(messages: list[dict]) -> int:
     return total
 
 
-def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict, str]:
+def row_source_id(row: dict, source: Source, position: int) -> tuple[str, bool]:
+    """``(source_id, whether it is the row's position)``: the row's own id, or ``#position``.
+
+    A column the catalog names (``fields: {id: …}``) must be there; of the usual id columns, the
+    first with a value is taken."""
+    for column in source.id_columns():
+        value = row.get(column)
+        if isinstance(value, str) and value.strip() or isinstance(value, int) and not isinstance(value, bool):
+            return str(value), False
+    if ID_FIELD in source.fields:
+        raise Reject("missing_id")
+    return f"{POSITION_PREFIX}{position}", True
+
+
+def record_id(source_name: str, content: str) -> str:
+    """A record's ``id``: a stable hash of its source and its content."""
+    return hashlib.sha256(f"{source_name}\0{content}".encode()).hexdigest()[:32]
+
+
+def conversation_record(conv: Conversation, source: Source, source_id: str) -> tuple[str, dict, str]:
     """``(dedup key, record, record as a JSON line)``: a prompt (ends before the answer) or, for native
     sources, a conversation. The id hashes the source and the content; the dedup key hashes the
     content alone, lowercased with whitespace collapsed, so copies are found across sources."""
@@ -153,11 +195,14 @@ def conversation_record(conv: Conversation, source: Source) -> tuple[str, dict, 
     if conv.tools:
         body["tools"] = conv.tools
     canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
-    record_id = hashlib.sha256(f"{source.name}\0{canonical}".encode()).hexdigest()[:32]
+    identifier = record_id(source.name, canonical)
     key = hashlib.blake2b(" ".join(canonical.lower().split()).encode(), digest_size=16).hexdigest()
     # the line reuses the canonical body instead of serializing the record a second time
-    line = f'{{"id": "{record_id}", "source": {json.dumps(source.name)}, {canonical[1:]}'
-    return key, {"id": record_id, "source": source.name, **body}, line
+    line = (
+        f'{{"id": "{identifier}", "source": {json.dumps(source.name)}, '
+        f'"source_id": {json.dumps(source_id, ensure_ascii=False)}, {canonical[1:]}'
+    )
+    return key, {"id": identifier, "source": source.name, "source_id": source_id, **body}, line
 
 
 def tokenized_key(item: Tokenized) -> str:
@@ -176,15 +221,17 @@ def prepare_source(
     started = time.monotonic()
     result = SourceResult(source.name, source.format, source.native, kind_of(source))
     rejected: Counter[str] = Counter()
+    unknown_roles: Counter[str] = Counter()
     try:
-        _run(source, location, part, probe_rows, piece, result, rejected)
-        result.parts = [str(part)]
+        _run(source, location, part, probe_rows, piece, result, rejected, unknown_roles)
+        result.parts, result.part_rows = [str(part)], [result.read]
     except SourceError as exc:
         result.error = str(exc)
     except Exception as exc:  # a reader or adapter failure: name the source, keep one line
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         result.error = f"source {source.name!r} ({location}): {type(exc).__name__}: {first_line}"
     result.rejected = dict(rejected)
+    result.unknown_roles = dict(unknown_roles)
     result.seconds = time.monotonic() - started
     result.worker_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
@@ -198,6 +245,7 @@ def _run(
     piece: tuple[int, int],
     result: SourceResult,
     rejected: Counter[str],
+    unknown_roles: Counter[str],
 ) -> None:
     adapter = ADAPTERS[source.format]
     rows = _slice(open_rows(location, source), *piece)
@@ -210,16 +258,19 @@ def _run(
             writer = _TokenizedWriter(tmp, source.name) if result.kind == "tokenized" else None
             with open(tmp, "w", encoding="utf-8") if writer is None else writer as out:
                 for row in iterator:
+                    position = result.read
                     result.read += 1
                     first_row = first_row or row
                     try:
+                        source_id, positional = row_source_id(row, source, position)
                         adapted = adapter(row, source)
                         if isinstance(adapted, Tokenized):
                             key = tokenized_key(adapted)
                         else:
-                            key, _, line = conversation_record(adapted, source)
+                            key, _, line = conversation_record(adapted, source, source_id)
                     except Reject as reject:
                         rejected[reject.reason] += 1
+                        unknown_roles.update(reject.names)
                     except (TypeError, ValueError, AttributeError, KeyError) as exc:
                         # a row shaped unlike anything the adapter knows (a role that is a list, a
                         # number where text belongs): counted under the exception, never silent
@@ -230,16 +281,18 @@ def _run(
                         else:
                             seen.add(key)
                             result.accepted += 1
+                            slice_position = position if positional else None
                             if writer is not None:
-                                writer.add(key, adapted)
+                                writer.add(key, adapted, source_id, slice_position)
                             else:
-                                out.write(f"{key}\t{line}\n")
+                                out.write(f"{key}\t{'' if slice_position is None else position}\t{line}\n")
                             if source.quota is not None and result.accepted >= source.quota:
                                 break
                     if probing and result.read == probe_rows and result.accepted == 0:
                         break
                 if probing and result.accepted == 0 and result.read:
-                    raise SourceError(_mismatch(source, result.read, rejected, first_row or {}))
+                    mismatch = _mismatch(source, result.read, rejected, unknown_roles, first_row or {})
+                    raise SourceError(mismatch)
     finally:
         # Close the streaming iterator and collect it now, while pyarrow is fully alive: a
         # half-consumed reader left to interpreter shutdown is how the exit-134 crash
@@ -286,30 +339,51 @@ def _slice(rows, index: int, count: int):
     return rows.shard(usable, index, contiguous=True) if index < usable else rows.take(0)
 
 
-def _mismatch(source: Source, read: int, rejected: Counter[str], row: dict) -> str:
+def _mismatch(
+    source: Source, read: int, rejected: Counter[str], unknown_roles: Counter[str], row: dict
+) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common())
-    return (
+    message = (
         f"source {source.name!r}: the first {read} rows gave no record with adapter "
-        f"{source.format!r} (rejected: {reasons}); rows have keys [{found_keys(row, source)}], "
-        f"the adapter expects {expected_keys(source)}; fix format:/fields:/roles: in the catalog"
+        f"{source.format!r} (rejected: {reasons})"
+    )
+    if unknown_roles:
+        message += "; " + unknown_roles_hint(source, unknown_roles)
+    if set(rejected) != {"unknown_role"}:
+        message += (
+            f"; rows have keys [{found_keys(row, source)}], the adapter expects {expected_keys(source)}; "
+            "fix format:/fields:/roles: in the catalog"
+        )
+    return message
+
+
+def unknown_roles_hint(source: Source, unknown_roles: dict[str, int]) -> str:
+    """Which speakers the role map lacks, which it knows, and the catalog lines that would map them."""
+    known = source.role_map()
+    guesses = {name: known[name.lower()] for name in sorted(unknown_roles) if name.lower() in known}
+    example = ", ".join(f"{name}: {role}" for name, role in guesses.items()) or "NAME: user"
+    return (
+        f"roles {', '.join(map(repr, sorted(unknown_roles)))} are not in the role map, which knows "
+        f"{', '.join(sorted(known))}; map them under roles: in the catalog, e.g. roles: {{{example}}}"
     )
 
 
 class _TokenizedWriter:
-    """Pre-tokenized rows into a parquet part (``input_ids``, ``loss_mask``, ``source``, ``key``)."""
+    """Pre-tokenized rows into a parquet part: the shard columns, plus the dedup ``key`` and the
+    row's ``position`` in the slice when it has no id of its own."""
 
     def __init__(self, path: Path, source_name: str):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self._pa = pa
-        self.schema = tokenized_schema(with_key=True)
+        self.schema = tokenized_schema(part=True)
         self.writer = pq.ParquetWriter(str(path), self.schema)
         self.source = source_name
-        self.rows: list[tuple[str, Tokenized]] = []
+        self.rows: list[tuple[str, Tokenized, str, str, int | None]] = []
 
-    def add(self, key: str, item: Tokenized) -> None:
-        self.rows.append((key, item))
+    def add(self, key: str, item: Tokenized, source_id: str, position: int | None) -> None:
+        self.rows.append((key, item, record_id(self.source, key), source_id, position))
         if len(self.rows) >= TOKENIZED_BATCH:
             self.flush()
 
@@ -317,12 +391,16 @@ class _TokenizedWriter:
         if not self.rows:
             return
         pa = self._pa
+        keys, items, record_ids, source_ids, positions = zip(*self.rows, strict=True)
         batch = pa.table(
             {
-                "input_ids": pa.array([r.input_ids for _, r in self.rows], pa.list_(pa.int32())),
-                "loss_mask": pa.array([r.loss_mask for _, r in self.rows], pa.list_(pa.int8())),
-                "source": pa.array([self.source] * len(self.rows), pa.string()),
-                "key": pa.array([k for k, _ in self.rows], pa.string()),
+                "input_ids": pa.array([r.input_ids for r in items], pa.list_(pa.int32())),
+                "loss_mask": pa.array([r.loss_mask for r in items], pa.list_(pa.int8())),
+                "source": pa.array([self.source] * len(items), pa.string()),
+                "id": pa.array(record_ids, pa.string()),
+                "source_id": pa.array(source_ids, pa.string()),
+                "key": pa.array(keys, pa.string()),
+                "position": pa.array(positions, pa.int64()),
             },
             schema=self.schema,
         )
@@ -337,14 +415,18 @@ class _TokenizedWriter:
         self.writer.close()
 
 
-def tokenized_schema(with_key: bool = False):
+def tokenized_schema(part: bool = False):
+    """The columns of ``native_tokenized.parquet`` (those of the tokenized shards); a part adds
+    ``key`` and ``position``."""
     import pyarrow as pa
 
     fields = [
         pa.field("input_ids", pa.list_(pa.int32())),
         pa.field("loss_mask", pa.list_(pa.int8())),
         pa.field("source", pa.string()),
+        pa.field("id", pa.string()),
+        pa.field("source_id", pa.string()),
     ]
-    if with_key:
-        fields.append(pa.field("key", pa.string()))
+    if part:
+        fields += [pa.field("key", pa.string()), pa.field("position", pa.int64())]
     return pa.schema(fields)

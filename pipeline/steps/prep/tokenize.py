@@ -1,4 +1,8 @@
-"""``eyrie tokenize``: conversations in, parquet shards (``input_ids``, ``loss_mask``, ``source``) out.
+"""``eyrie tokenize``: conversations in, parquet shards out.
+
+A shard row is ``input_ids``, ``loss_mask``, ``source``, ``id`` (the conversation's, as in
+conversations.jsonl and prompts.jsonl) and ``source_id`` (its row in the dataset, as prep
+found it), so every training row traces back to its conversation and its dataset row.
 
 The loss mask marks what the assistant produces (reasoning, text, tool calls,
 its end-of-turn token) and nothing else. It comes from ONE rendering and ONE
@@ -30,16 +34,18 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.memory.units import parse_size
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
+from pipeline.steps.prep.adapters import Tokenized, kimi_tool_call_ids
 from pipeline.steps.prep.pieces import Pieces
 from pipeline.steps.prep.prep import plan_workers
+from pipeline.steps.prep.sources import POSITION_PREFIX, record_id, tokenized_key, tokenized_schema
 from pipeline.steps.target import TargetError, load_tokenizer
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
@@ -80,6 +86,9 @@ class ChatTemplate:
     name: str
     source: str
     markers: bool
+    names_calls_by_id: bool = False
+    """It writes a tool call's id where other templates write the function's name (Kimi's do):
+    conversations get Kimi's ids, ``functions.NAME:IDX``, before it renders them."""
 
     @property
     def method(self) -> str:
@@ -125,6 +134,8 @@ class Rows:
         self.ids: list[list[int]] = []
         self.masks: list[list[int]] = []
         self.sources: list[str] = []
+        self.record_ids: list[str | None] = []
+        self.source_ids: list[str | None] = []
         self.counts: dict[str, Counts] = {}
 
     def reject(self, source: str, reason: str) -> None:
@@ -132,8 +143,9 @@ class Rows:
         entry.conversations += 1
         entry.rejected[reason] += 1
 
-    def keep(self, source: str, ids: list[int], mask: list[int], in_pieces: bool = False) -> None:
+    def keep(self, record: Record, ids: list[int], mask: list[int], in_pieces: bool = False) -> None:
         """Truncated to ``max_length``; a row left with no assistant token is rejected."""
+        source = record.source
         entry = self.counts.setdefault(source, Counts())
         entry.conversations += 1
         entry.in_pieces += in_pieces
@@ -150,26 +162,21 @@ class Rows:
         self.ids.append(ids)
         self.masks.append(mask)
         self.sources.append(source)
+        self.record_ids.append(record.id)
+        self.source_ids.append(record.source_id)
 
     def table(self):
         """The kept rows as an Arrow table of the shard schema (cheap to send between processes)."""
         import pyarrow as pa
 
-        return pa.table(
-            {"input_ids": self.ids, "loss_mask": self.masks, "source": self.sources}, schema=shard_schema()
-        )
-
-
-def shard_schema():
-    import pyarrow as pa
-
-    return pa.schema(
-        [
-            pa.field("input_ids", pa.list_(pa.int32())),
-            pa.field("loss_mask", pa.list_(pa.int8())),
-            pa.field("source", pa.string()),
-        ]
-    )
+        columns = {
+            "input_ids": self.ids,
+            "loss_mask": self.masks,
+            "source": self.sources,
+            "id": self.record_ids,
+            "source_id": self.source_ids,
+        }
+        return pa.table(columns, schema=tokenized_schema())
 
 
 def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
@@ -198,7 +205,25 @@ def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
             f"chat template {name!r} writes {', '.join(missing)}, which the tokenizer does not have as "
             f"tokens; use the target's own template (--chat-template tokenizer) or its tokenizer"
         )
-    return ChatTemplate(name, source, bool(_GENERATION_RE.search(source)))
+    template = ChatTemplate(name, source, bool(_GENERATION_RE.search(source)))
+    template.names_calls_by_id = _names_calls_by_id(template, dict(tokenizer.special_tokens_map))
+    return template
+
+
+def _names_calls_by_id(template: ChatTemplate, special: dict) -> bool:
+    """Whether the template names a tool call only by its id: a probe call's id is in the text, its
+    function's name is not."""
+    call = {"id": "call_probe_id", "type": "function", "function": {"name": "probe_name", "arguments": "{}"}}
+    probe = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "!"},
+    ]
+    try:
+        text, _ = _render(template, probe, None, special=special)
+    except Exception:  # a template that cannot render tool calls has no names to lose
+        return False
+    return call["id"] in text and call["function"]["name"] not in text
 
 
 def _render(
@@ -277,6 +302,16 @@ Line = tuple[str, int, str]
 """``(file, line number, JSON text)`` of one conversation record."""
 
 
+class Record(NamedTuple):
+    """One conversation to tokenize, and what its shard row keeps of where it came from."""
+
+    source: str
+    id: str | None
+    source_id: str | None
+    messages: list[dict]
+    tools: Any
+
+
 def read_lines(path: Path) -> Iterator[Line]:
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
@@ -284,8 +319,8 @@ def read_lines(path: Path) -> Iterator[Line]:
                 yield str(path), number, line
 
 
-def parse_conversation(line: Line) -> tuple[str, list[dict], Any]:
-    """``(source, messages, tools)`` of one line of a SpecForge-style conversations file."""
+def parse_conversation(line: Line) -> Record:
+    """One line of a SpecForge-style conversations file."""
     path, number, text = line
     try:
         record = json.loads(text)
@@ -295,10 +330,11 @@ def parse_conversation(line: Line) -> tuple[str, list[dict], Any]:
             f"{path}:{number} is not a conversation record ({{id, conversations: [...]}}); "
             "regenerate that file"
         ) from None
-    return record.get("source") or Path(path).stem, messages, record.get("tools")
+    source = record.get("source") or Path(path).stem
+    return Record(source, record.get("id"), record.get("source_id"), messages, record.get("tools"))
 
 
-def read_conversations(path: Path) -> Iterator[tuple[str, list[dict], Any]]:
+def read_conversations(path: Path) -> Iterator[Record]:
     return map(parse_conversation, read_lines(path))
 
 
@@ -308,7 +344,7 @@ class ShardWriter:
     def __init__(self, folder: Path, shard_rows: int):
         self.folder = folder
         self.shard_rows = shard_rows
-        self.schema = shard_schema()
+        self.schema = tokenized_schema()
         self.writer = None
         self.in_shard = 0
         self.shards = 0
@@ -390,6 +426,8 @@ class Tokenizer:
         cut: list[tuple[int, str, list]] = []
         for messages, tools in conversations:
             try:
+                if self.template.names_calls_by_id:
+                    messages = kimi_tool_call_ids(messages)
                 text, spans = assistant_spans(self.template, messages, tools, self.special)
             except TokenizeError:
                 raise
@@ -427,12 +465,12 @@ class Tokenizer:
         """The rows of a batch of conversation lines, in order, as an Arrow table, and their counts."""
         parsed = [parse_conversation(line) for line in lines]
         rows = Rows(max_length)
-        results = self.encode_batch([(messages, tools) for _, messages, tools in parsed])
-        for (source, _, _), result in zip(parsed, results, strict=True):
+        results = self.encode_batch([(record.messages, record.tools) for record in parsed])
+        for record, result in zip(parsed, results, strict=True):
             if isinstance(result, str):
-                rows.reject(source, result)
+                rows.reject(record.source, result)
             else:
-                rows.keep(source, *result)
+                rows.keep(record, *result)
         return rows.table(), rows.counts
 
 
@@ -541,6 +579,7 @@ def tokenize(
     worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
+    invalidate_manifest(step_dir)
     if not encoder.template.markers:
         console.print(
             f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "
@@ -613,16 +652,27 @@ def tokenize(
 
 
 def _pass_through(path: Path, vocab_size: int, max_length: int) -> Iterator[tuple[Any, dict[str, Counts]]]:
-    """Pre-tokenized rows (``input_ids``, ``loss_mask``, ``source``): checked, truncated, kept."""
+    """Pre-tokenized rows (``input_ids``, ``loss_mask``, ``source``): checked, truncated, kept. A file
+    without ``id`` and ``source_id`` (not written by prep) gives each row the id prep would, and
+    its index in the file."""
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(str(path)).iter_batches(columns=["input_ids", "loss_mask", "source"]):
+    file = pq.ParquetFile(str(path))
+    traced = {"id", "source_id"} <= set(file.schema_arrow.names)
+    columns = ["input_ids", "loss_mask", "source", *(["id", "source_id"] if traced else [])]
+    position = 0
+    for batch in file.iter_batches(columns=columns):
         rows = Rows(max_length)
-        for ids, mask, source in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+        values = [batch.column(name).to_pylist() for name in columns]
+        for ids, mask, source, *origin in zip(*values, strict=True):
+            if not traced:
+                content = tokenized_key(Tokenized(ids, mask))
+                origin = [record_id(source, content), f"{POSITION_PREFIX}{position}"]
+            position += 1
             if ids and max(ids) >= vocab_size:
                 rows.reject(source, "id_out_of_vocab")
             else:
-                rows.keep(source, ids, mask)
+                rows.keep(Record(source, *origin, [], None), ids, mask)
         yield rows.table(), rows.counts
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.prep import prep
-from pipeline.steps.prep.sources import prepare_source
+from pipeline.steps.prep.sources import part_records, prepare_source
 from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
 
 
@@ -64,6 +63,5 @@ def sample_conversations(tmp_path_factory) -> list[tuple[str, dict]]:
         native = source.model_copy(update={"native": True, "quota": None})
         result = prepare_source(native, native.location(catalog.base, True), parts / source.name, 100)
         assert result.error is None, result.error
-        with open(result.parts[0], encoding="utf-8") as fh:
-            out += [(source.name, json.loads(line.split("\t", 1)[1])) for line in fh]
+        out += [(source.name, record) for record in part_records(result.parts[0])]
     return out

@@ -12,10 +12,11 @@ from pipeline.steps.prep.adapters import (
     adapt_pairs,
     adapt_sharegpt,
     adapt_tokenized,
+    kimi_tool_call_ids,
     split_reasoning,
 )
 from pipeline.steps.prep.catalog import Source
-from pipeline.steps.prep.sources import conversation_record
+from pipeline.steps.prep.sources import conversation_record, row_source_id
 
 
 def source(fmt: str, **extra) -> Source:
@@ -62,8 +63,47 @@ def test_messages_json_string_with_tool_calls_and_text_parts():
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool"]
     assert conv.messages[0]["content"] == "sys"
     call = conv.messages[2]["tool_calls"][0]
-    assert call == {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"c": 1}'}}
-    assert conv.messages[3] == {"role": "tool", "content": "ok", "tool_call_id": "call_1"}
+    assert call == {
+        "id": "functions.bash:0",  # Kimi's form: the id names the function
+        "type": "function",
+        "function": {"name": "bash", "arguments": '{"c": 1}'},
+    }
+    assert conv.messages[3] == {"role": "tool", "content": "ok", "tool_call_id": "functions.bash:0"}
+
+
+def call(call_id, name):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def test_openai_call_ids_become_kimi_ids_counted_across_the_conversation():
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("call_1", "bash"), call("call_2", "view")]},
+        {"role": "tool", "content": "viewed", "tool_call_id": "call_2"},  # answers out of order
+        {"role": "tool", "content": "ran"},  # no id: the call left unanswered
+        {"role": "assistant", "content": "", "tool_calls": [call("call_1", "bash")]},  # an id reused
+        {"role": "tool", "content": "ran again", "tool_call_id": "call_1"},
+    ]
+    out = kimi_tool_call_ids(messages)
+    ids = [c["id"] for m in out for c in m.get("tool_calls", [])]
+    assert ids == ["functions.bash:0", "functions.view:1", "functions.bash:2"]
+    answers = [m["tool_call_id"] for m in out if m["role"] == "tool"]
+    assert answers == ["functions.view:1", "functions.bash:0", "functions.bash:2"]
+    assert messages[1]["tool_calls"][0]["id"] == "call_1"  # the input is left as it was
+
+
+def test_ids_already_in_kimi_form_are_kept_as_the_target_wrote_them():
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("functions.bash:3", "bash")]},
+        {"role": "tool", "content": "ran", "tool_call_id": "functions.bash:3"},
+    ]
+    assert kimi_tool_call_ids(messages) == messages
+    mixed = [*messages, {"role": "assistant", "content": "", "tool_calls": [call("call_9", "view")]}]
+    assert [c["id"] for m in kimi_tool_call_ids(mixed) for c in m.get("tool_calls", [])] == [
+        "functions.bash:0",
+        "functions.view:1",
+    ]
 
 
 def test_sharegpt_hermes_tool_calls_become_structured():
@@ -99,8 +139,9 @@ def test_sharegpt_top_level_system_and_role_map():
     row = {"system": "be brief", "conversations": [{"from": "person", "value": "hi"}]}
     conv = adapt_sharegpt(row, source("sharegpt", roles={"person": "user"}))
     assert conv.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    with pytest.raises(Reject, match="unknown_role"):
+    with pytest.raises(Reject, match="unknown_role") as rejected:
         adapt_sharegpt(row, source("sharegpt"))
+    assert rejected.value.names == ("person",)  # the speakers the map lacks, for the error to name
 
 
 def test_broken_hermes_call_is_rejected():
@@ -141,13 +182,15 @@ def test_prompt_records_end_before_the_answer_and_ids_are_stable():
             {"role": "assistant", "content": "d"},
         ]
     }
-    key, record, line = conversation_record(adapt_messages(row, src), src)
+    key, record, line = conversation_record(adapt_messages(row, src), src, "row-7")
     assert json.loads(line) == record
+    assert record["source_id"] == "row-7"
     assert [m["content"] for m in record["messages"]] == ["a", "b", "c"]
-    again = conversation_record(adapt_messages(row, src), src)
+    again = conversation_record(adapt_messages(row, src), src, "row-7")
     renamed = src.model_copy(update={"name": "t"})
-    other = conversation_record(adapt_messages(row, renamed), renamed)
+    other = conversation_record(adapt_messages(row, renamed), renamed, "row-7")
     assert again == (key, record, line)
+    assert conversation_record(adapt_messages(row, src), src, "row-8")[1]["id"] == record["id"]
     assert other[1]["id"] != record["id"]  # the id names the source ...
     assert other[0] == key  # ... the dedup key does not, so duplicates are found across sources
 
@@ -155,14 +198,35 @@ def test_prompt_records_end_before_the_answer_and_ids_are_stable():
 def test_native_records_keep_the_answer_and_need_one():
     src = source("messages", native=True)
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    assert conversation_record(adapt_messages(row, src), src)[1]["conversations"][-1]["content"] == "a"
+    assert conversation_record(adapt_messages(row, src), src, "#0")[1]["conversations"][-1]["content"] == "a"
     with pytest.raises(Reject, match="no_assistant_turn"):
-        conversation_record(adapt_messages({"messages": row["messages"][:1]}, src), src)
+        conversation_record(adapt_messages({"messages": row["messages"][:1]}, src), src, "#0")
 
 
 def test_length_filters():
     row = {"messages": [{"role": "user", "content": "x" * 50}]}
     with pytest.raises(Reject, match="too_long"):
-        conversation_record(adapt_messages(row, source("messages")), source("messages", max_chars=10))
+        conversation_record(adapt_messages(row, source("messages")), source("messages", max_chars=10), "#0")
     with pytest.raises(Reject, match="too_short"):
-        conversation_record(adapt_messages(row, source("messages")), source("messages", min_chars=100))
+        conversation_record(adapt_messages(row, source("messages")), source("messages", min_chars=100), "#0")
+
+
+@pytest.mark.parametrize(
+    ("row", "fields", "expected"),
+    [
+        ({"id": "aeb5ad_0", "prompt_id": "p"}, {}, ("aeb5ad_0", False)),  # `id` first
+        ({"conversation_hash": "9bf8"}, {}, ("9bf8", False)),  # WildChat
+        ({"instance_id": "pydantic__1", "traj_id": "pydantic__1.8dead"}, {}, ("pydantic__1.8dead", False)),
+        ({"id": 1234}, {}, ("1234", False)),  # numeric ids are kept, as text
+        ({"id": "", "prompt_id": "p"}, {}, ("p", False)),  # an empty id is no id
+        ({"question": "2+2?"}, {}, ("#17", True)),  # none: the row's index in the source
+        ({"question": "2+2?", "qid": "q-5"}, {"id": "qid"}, ("q-5", False)),  # a column the catalog names
+    ],
+)
+def test_a_row_keeps_its_own_id_or_its_position(row, fields, expected):
+    assert row_source_id(row, source("pairs", fields=fields), 17) == expected
+
+
+def test_an_id_column_the_catalog_names_must_be_there():
+    with pytest.raises(Reject, match="missing_id"):
+        row_source_id({"question": "2+2?"}, source("pairs", fields={"id": "qid"}), 0)

@@ -51,7 +51,7 @@ def test_default_catalog_offline_gives_records_from_every_source(prepped):
     assert manifest.outputs["prompts.jsonl"]["."].records == len(prompts)
     tokenized = pq.read_table(prepped / "native_tokenized.parquet")
     assert tokenized.num_rows == stats["native_tokenized"]["accepted"] == 24
-    assert tokenized.column_names == ["input_ids", "loss_mask", "source"]
+    assert tokenized.column_names == ["input_ids", "loss_mask", "source", "id", "source_id"]
     # reasoning and tool calls come out structured
     hermes = [r for r in native if r["source"] == "hermes_agent_kimi"]
     assert all("<think>" not in m["content"] for r in hermes for m in r["conversations"])
@@ -84,6 +84,81 @@ def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
     assert "rows have keys [answer, question]" in err and "expects 'messages'" in err
     assert "missing_field 30" in err
     assert not any((out / name).exists() for name in [*OUTPUTS, "manifest.json", ".parts"])
+
+
+def test_every_record_keeps_its_dataset_row_id(prepped):
+    """source_id is the row's own id where the dataset has one, else its index in the file: either
+    finds the very row again, and that row, prepared again, is the record."""
+    from pipeline.steps.prep.adapters import ADAPTERS
+    from pipeline.steps.prep.sources import conversation_record, row_source_id
+
+    catalog = load_catalog()
+    sources = {s.name: s for s in catalog.sources}
+    records = lines(prepped / "prompts.jsonl") + lines(prepped / "native.jsonl")
+    for record in records:
+        source = sources[record["source"]]
+        sample = Path(source.location(catalog.base, offline=True))
+        text = sample.read_text(encoding="utf-8")
+        rows = (
+            json.loads(text) if sample.suffix == ".json" else [json.loads(line) for line in text.splitlines()]
+        )
+        found = [
+            (i, row) for i, row in enumerate(rows) if row_source_id(row, source, i)[0] == record["source_id"]
+        ]
+        assert found, record["source_id"]  # (a duplicate row of a sample shares its id: the first is kept)
+        _, row = found[0]
+        again = conversation_record(ADAPTERS[source.format](row, source), source, record["source_id"])[1]
+        assert again == record
+    positional = {}
+    for record in records:
+        positional.setdefault(record["source"], set()).add(record["source_id"].startswith("#"))
+    assert positional["gsm8k"] == {True} and positional["wildchat_1m"] == {False}
+    swe = [r["source_id"] for r in records if r["source"] == "swe_smith_trajectories"]
+    assert all(sid.count(".") == 3 for sid in swe)  # traj_id: one trajectory, not one task's instance_id
+    tokenized = pq.read_table(prepped / "native_tokenized.parquet").to_pylist()
+    assert [r["source_id"] for r in tokenized] == [f"#{i}" for i in range(24)]
+    assert len({r["id"] for r in tokenized}) == 24
+
+
+def test_unknown_speakers_are_named_with_the_roles_the_map_knows(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    turns = [{"from": "Human", "value": "hi"}, {"from": "Assistant", "value": "hello"}]
+    rows.write_text(json.dumps({"conversations": turns}) + "\n")
+    catalog = write_catalog(tmp_path, [{"name": "caps", "data": str(rows), "format": "sharegpt"}])
+    assert prep(catalog, tmp_path / "out") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "(rejected: unknown_role 1); roles 'Assistant', 'Human' are not in the role map" in err
+    assert (
+        "which knows assistant, bing, chatgpt, function_call, gpt, human, observation, system, tool, user"
+        in err
+    )
+    assert "e.g. roles: {Assistant: assistant, Human: user}" in err
+    assert "rows have keys" not in err  # the keys were right: only the speakers were not
+
+    # mapped as the message says, the same rows are prepared; a speaker left out is still named
+    roles = {"Human": "user", "Assistant": "assistant"}
+    stray = [{"from": "Human", "value": "again"}, {"from": "Bard", "value": "hi"}]
+    rows.write_text("".join(json.dumps({"conversations": t}) + "\n" for t in [turns, stray]))
+    catalog = write_catalog(
+        tmp_path, [{"name": "caps", "data": str(rows), "format": "sharegpt", "roles": roles}]
+    )
+    assert prep(catalog, tmp_path / "out") == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "unknown_role 1 (Bard)" in err and "source 'caps': 1 rows rejected: roles 'Bard' are not" in err
+    assert read_manifest(tmp_path / "out").stats["sources"]["caps"]["unknown_roles"] == {"Bard": 1}
+
+
+def test_a_failed_rerun_leaves_no_manifest_over_the_old_outputs(tmp_path, capsys):
+    gsm = {"name": "math", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
+           "fields": {"prompt": "question", "response": "answer"}}  # fmt: skip
+    out = tmp_path / "out"
+    assert prep(write_catalog(tmp_path, [gsm]), out) == 0
+    assert check_manifest(out, OUTPUTS)[0]
+    broken = {**gsm, "fields": {"prompt": "input"}}  # every row now lacks its prompt
+    assert prep(write_catalog(tmp_path, [broken]), out) == 1
+    complete, why = check_manifest(out, OUTPUTS)
+    assert not complete and "no valid manifest.json" in why
+    assert (out / "prompts.jsonl").exists()  # the earlier outputs are not deleted, only not vouched for
 
 
 def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys):
@@ -181,16 +256,23 @@ def test_malformed_rows_are_counted_not_fatal(tmp_path):
     assert stats["rejected"] == {"malformed_TypeError": 1, "non_text_content": 1}
 
 
+@pytest.mark.parametrize("ids", ["own ids", "positions"])
 @pytest.mark.parametrize("layout", ["parquet row groups", "jsonl files"])
-def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layout, tmp_path, capsys):
+def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layout, ids, tmp_path, capsys):
     """Two workers and one source: each reads a contiguous half of it (its parquet row groups, or
     its files). The outputs and counts are those of one worker reading it all: duplicates across
-    the halves are found by the merge, rejections are counted in the half that read them."""
+    the halves are found by the merge, rejections are counted in the half that read them, and a
+    row without an id of its own is known by its index in the whole source, not in its half."""
     import pyarrow as pa
 
     rows = [json.loads(line) for line in (SAMPLES / "ultrachat_200k.jsonl").read_text().splitlines()]
-    lone_answer = {"messages": [{"role": "assistant", "content": "an answer to nothing"}]}
+    lone_answer = {
+        "prompt_id": "lone",
+        "messages": [{"role": "assistant", "content": "an answer to nothing"}],
+    }
     rows += rows[:7] + [lone_answer]  # duplicates in the second half, one rejection
+    if ids == "positions":
+        rows = [{"messages": row["messages"]} for row in rows]
     if layout == "parquet row groups":
         data = tmp_path / "chats.parquet"
         pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=8)
@@ -218,10 +300,33 @@ def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layo
         )
         assert not (out / ".parts").exists()
     assert outputs[1] == outputs[2]
+    records = [json.loads(line) for line in outputs[2][0].decode().splitlines()]
+    for record in records:
+        source_id = record["source_id"]
+        index = int(source_id[1:]) if ids == "positions" else [r["prompt_id"] for r in rows].index(source_id)
+        assert rows[index]["messages"][0]["content"] == record["messages"][0]["content"]
+    if ids == "positions":  # rows of the second half are there, known by their index in the source
+        assert max(int(r["source_id"][1:]) for r in records) >= len(rows) // 2
     counts = outputs[1][1]
     # the sample holds one duplicate and one prompt-less row of its own
     assert counts["duplicates"] == 1 + 7 and counts["rejected"] == {"empty_prompt": 1 + 1}
     assert counts["read"] == len(rows)
+
+
+def test_tokenized_rows_read_in_slices_keep_their_index_in_the_file(tmp_path):
+    import pyarrow as pa
+
+    data = tmp_path / "tokens.parquet"
+    rows = [{"input_ids": [i, i + 1, i + 2], "loss_mask": [0, 1, 1]} for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=8)
+    catalog = write_catalog(tmp_path, [{"name": "dump", "data": str(data), "format": "tokenized"}])
+    tables = {}
+    for workers in (1, 2):
+        assert prep(catalog, tmp_path / f"w{workers}", workers=workers) == 0
+        tables[workers] = pq.read_table(tmp_path / f"w{workers}" / "native_tokenized.parquet").to_pylist()
+    assert tables[1] == tables[2]
+    assert [r["source_id"] for r in tables[2]] == [f"#{i}" for i in range(40)]
+    assert all(r["input_ids"][0] == int(r["source_id"][1:]) for r in tables[2])
 
 
 def test_spare_workers_slice_the_sources_without_a_quota(tmp_path):

@@ -21,18 +21,19 @@ def shards(out: Path) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def answered(prepped, tmp_path_factory) -> Path:
-    """Prep's prompts with an answer appended, as the generate step writes conversations.jsonl."""
+    """Prep's prompts with an answer appended, each row made by the generate step's own code."""
+    from pipeline.steps.generate.conversation import Plan, output_row
+
     path = tmp_path_factory.mktemp("generate") / "conversations.jsonl"
     with open(path, "w", encoding="utf-8") as out:
         for line in (prepped / "prompts.jsonl").read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
-            answer = {
-                "role": "assistant",
-                "content": "Here is a short answer.",
-                "reasoning_content": "Think.",
-            }
-            record = {"id": row["id"], "source": row["source"], "conversations": [*row["messages"], answer]}
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            plan = Plan(row["messages"], "last_turn")
+            plan.next_history()
+            plan.feed(
+                {"role": "assistant", "content": "Here is a short answer.", "reasoning_content": "Think."}
+            )
+            out.write(json.dumps(output_row(row, plan, ["stop"]), ensure_ascii=False) + "\n")
     return path
 
 
@@ -64,6 +65,19 @@ def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
         table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True
     ):
         assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+    # every training row maps back to its conversation (and prompt) and to its row in the dataset
+    origin = {}
+    for name in ("prompts.jsonl", "native.jsonl"):
+        for line in (prepped / name).read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            origin[record["id"]] = (record["source"], record["source_id"])
+    for row in pq.read_table(prepped / "native_tokenized.parquet").to_pylist():
+        origin[row["id"]] = (row["source"], row["source_id"])
+    rows = table.select(["id", "source", "source_id"]).to_pylist()
+    assert len({r["id"] for r in rows}) == len(rows) == len(origin)
+    assert all(origin[r["id"]] == (r["source"], r["source_id"]) for r in rows)
+    generated = [json.loads(line) for line in answered.read_text(encoding="utf-8").splitlines()]
+    assert all(g["source_id"] == origin[g["id"]][1] for g in generated)  # generation keeps it too
 
 
 def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
@@ -72,6 +86,15 @@ def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
     stats = read_manifest(out).stats["totals"]
     lengths = [len(x) for x in shards(out).column("input_ids").to_pylist()]
     assert max(lengths) == 600 and stats["truncated"] >= sum(n == 600 for n in lengths) > 0
+
+
+def test_a_failed_rerun_leaves_no_manifest_over_the_old_shards(prepped, tiny_tokenizer, tmp_path):
+    out = tmp_path / "tok"
+    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out) == 0
+    bad = tmp_path / "conversations.jsonl"
+    bad.write_text("not json\n")
+    assert tokenize(tiny_tokenizer, [bad], [], out) == 1
+    assert not check_manifest(out, ["shards"])[0] and (out / "shards").is_dir()
 
 
 def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tmp_path):
@@ -89,7 +112,9 @@ def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tm
     out = tmp_path / "tok"
     assert tokenize(tiny_tokenizer, [], [rows], out) == 0
     assert read_manifest(out).stats["sources"]["a"]["rejected"] == {"id_out_of_vocab": 1}
-    assert shards(out).num_rows == 1
+    (kept,) = shards(out).to_pylist()
+    # a file prep did not write has no ids: the row gets prep's kind of id, and its index in the file
+    assert kept["source_id"] == "#0" and len(kept["id"]) == 32
 
 
 def test_kimi_template_on_a_tokenizer_without_its_tokens_is_refused(prepped, tiny_tokenizer, tmp_path):

@@ -90,7 +90,7 @@ class FakeExecutor:
         self.attempts.append(attempt)
         return attempt
 
-    def reap(self, where: str) -> int:
+    def reap(self, where: str, pid: int | None, started_at: float) -> int:
         self.reaped.append(where)
         return 0
 
