@@ -4,6 +4,10 @@ Rows are appended in batches, each batch flushed and fsynced. A kill can only te
 the tail, so on open everything after the last newline is cut off and the ids of
 the complete lines are the rows already done. Completion order does not matter:
 resume is by id.
+
+Rows are encoded one by one before they join a batch (``utf8_json``): text that is
+not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can carry) is
+refused for that row alone, never in the middle of writing a batch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,18 @@ _CHUNK = 1 << 20
 
 class StoreError(RuntimeError):
     pass
+
+
+def utf8_json(value: Any) -> bytes:
+    """``value`` as JSON in UTF-8; ``UnicodeEncodeError`` when a string in it is not valid Unicode."""
+    return json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+def not_unicode(exc: UnicodeEncodeError) -> str:
+    """Where ``utf8_json`` failed, printable: the code points and the JSON text before them."""
+    bad = ", ".join(f"U+{ord(c):04X}" for c in exc.object[exc.start : exc.end])
+    before = exc.object[max(0, exc.start - 40) : exc.start]
+    return f"lone surrogate {bad} after {ascii(before)}"
 
 
 def repair_tail(path: Path) -> int:
@@ -65,7 +81,7 @@ def read_ids(path: Path) -> list[str]:
 
 
 class JsonlAppender:
-    """Appends rows to a JSONL file; ``write_batch`` returns once they are on disk."""
+    """Appends lines to a JSONL file; ``write_lines`` returns once they are on disk."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -74,11 +90,11 @@ class JsonlAppender:
         if not existed:
             fsync_dir(path.parent)
 
-    def write_batch(self, rows: list[dict[str, Any]]) -> None:
-        if not rows:
+    def write_lines(self, lines: list[bytes]) -> None:
+        """Append ``lines`` (encoded rows, each ending in a newline), flushed and fsynced."""
+        if not lines:
             return
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-        self._fh.write(data)
+        self._fh.write(b"".join(lines))
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
