@@ -1,7 +1,7 @@
 """Chat requests to one or more OpenAI-compatible servers (SGLang, sglang-router, transformers serve).
 
 aiohttp, not httpx: against a server that answers at once, httpx's AsyncClient spent
-~2.8 ms of CPU per request on the 2-core test machine and aiohttp ~0.2 ms
+~2.7 ms of CPU per request on the 2-core test machine and aiohttp ~0.1 ms
 (benchmarks/README.md); it is also what ``sglang.bench_serving`` uses.
 
 Each request goes to the live server with the fewest requests outstanding. A failure
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from pipeline.steps.generate.json_text import loads
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 CHAT_PATH = "/v1/chat/completions"
@@ -356,7 +358,7 @@ class ChatClient:
                         retry_after = _retry_after(response.headers)
                 if status == 200:
                     try:
-                        data = json.loads(answer)
+                        data = loads(answer)
                         data["choices"][0]["message"]
                     except (ValueError, KeyError, IndexError, TypeError):
                         raise PermanentError(

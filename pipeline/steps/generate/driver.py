@@ -56,14 +56,8 @@ from pipeline.steps.generate.client import (
     ServersDead,
 )
 from pipeline.steps.generate.conversation import Mode, Plan, PromptError, output_row
-from pipeline.steps.generate.store import (
-    JsonlAppender,
-    StoreError,
-    not_unicode,
-    read_ids,
-    repair_tail,
-    utf8_json,
-)
+from pipeline.steps.generate.json_text import loads, not_unicode, utf8_json
+from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
 
 CONVERSATIONS = "conversations.jsonl"
 ERRORS = "errors.jsonl"
@@ -149,7 +143,7 @@ def scan_prompts(path: Path, limit: int | None) -> list[str]:
             if not line.strip():
                 continue
             try:
-                row_id = json.loads(line)["id"]
+                row_id = loads(line)["id"]
             except (ValueError, KeyError, TypeError):
                 raise GenerateError(
                     f"{path}:{number} is not a prompt row (a JSON object with an id, as the prep step writes)"
@@ -167,7 +161,7 @@ def iter_todo(path: Path, todo: set[str]) -> Iterator[dict[str, Any]]:
         for line in fh:
             if not line.strip():
                 continue
-            row = json.loads(line)
+            row = loads(line)
             if row["id"] in todo:
                 todo.discard(row["id"])
                 yield row
@@ -545,7 +539,7 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
         rewrite = False
         with open(partial, "rb") as fh:
             for line in fh:
-                row = json.loads(line)
+                row = loads(line)
                 if row["id"] in seen or row["id"] not in input_ids:
                     rewrite = True
                     stats["dropped_not_in_prompts"] += row["id"] not in input_ids

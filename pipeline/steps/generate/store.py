@@ -5,37 +5,24 @@ the tail, so on open everything after the last newline is cut off and the ids of
 the complete lines are the rows already done. Completion order does not matter:
 resume is by id.
 
-Rows are encoded one by one before they join a batch (``utf8_json``): text that is
-not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can carry) is
-refused for that row alone, never in the middle of writing a batch.
+Rows arrive encoded (``json_text.utf8_json``), one by one before they join a batch:
+text that is not valid Unicode is refused for that row alone, never in the middle of
+writing a batch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 from pipeline.run.manifest import fsync_dir
+from pipeline.steps.generate.json_text import loads
 
 _CHUNK = 1 << 20
 
 
 class StoreError(RuntimeError):
     pass
-
-
-def utf8_json(value: Any) -> bytes:
-    """``value`` as JSON in UTF-8; ``UnicodeEncodeError`` when a string in it is not valid Unicode."""
-    return json.dumps(value, ensure_ascii=False).encode("utf-8")
-
-
-def not_unicode(exc: UnicodeEncodeError) -> str:
-    """Where ``utf8_json`` failed, printable: the code points and the JSON text before them."""
-    bad = ", ".join(f"U+{ord(c):04X}" for c in exc.object[exc.start : exc.end])
-    before = exc.object[max(0, exc.start - 40) : exc.start]
-    return f"lone surrogate {bad} after {ascii(before)}"
 
 
 def repair_tail(path: Path) -> int:
@@ -71,7 +58,7 @@ def read_ids(path: Path) -> list[str]:
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             try:
-                ids.append(json.loads(line)["id"])
+                ids.append(loads(line)["id"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise StoreError(
                     f"{path}:{number} is not a complete row ({exc}); only the last line can be "

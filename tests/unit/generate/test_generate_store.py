@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail, utf8_json
+from pipeline.steps.generate.json_text import utf8_json
+from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
 
 
 def test_torn_last_line_is_cut_and_complete_lines_kept(tmp_path):
