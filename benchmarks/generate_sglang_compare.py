@@ -2,7 +2,8 @@
 
 Both clients send the same single-turn prompts to ``/v1/chat/completions`` at the
 same concurrency, greedy, with the same max_tokens, non-streaming, stopping at EOS:
-if the driver keeps up with the reference client, it is not the bottleneck.
+if the driver keeps up with the reference client, it is not the bottleneck. Both report
+the E2E request latency percentiles (p50 is bench_serving's median).
 
     # on a GPU host with sglang installed (the images/sglang image has it)
     python -m benchmarks.generate_sglang_compare --model Qwen/Qwen3-8B --launch \\
@@ -94,7 +95,9 @@ def run_eyrie(url: str, prompts: Path, out: Path, concurrency: int, max_tokens: 
     ]
     subprocess.run(argv, cwd=REPO, check=True)
     attempt = json.loads((out / "manifest.json").read_text())["stats"]["this_attempt"]
-    return {"req_per_s": attempt["req_per_s"], "tok_out_per_s": attempt["tok_out_per_s"]}
+    latency = attempt["e2e_latency_ms"]
+    return {"req_per_s": attempt["req_per_s"], "tok_out_per_s": attempt["tok_out_per_s"],
+            "p50_ms": latency["p50"], "p99_ms": latency["p99"]}  # fmt: skip
 
 
 def run_bench_serving(
@@ -125,7 +128,8 @@ def run_bench_serving(
     ]
     subprocess.run(argv, check=True)
     result = json.loads(out.read_text().splitlines()[-1])
-    return {"req_per_s": result["request_throughput"], "tok_out_per_s": result["output_throughput"]}
+    return {"req_per_s": result["request_throughput"], "tok_out_per_s": result["output_throughput"],
+            "p50_ms": result["median_e2e_latency_ms"], "p99_ms": result["p99_e2e_latency_ms"]}  # fmt: skip
 
 
 def main() -> None:
@@ -188,13 +192,13 @@ def main() -> None:
                 server.terminate()
                 server.wait(timeout=120)
     print(f"{count} prompts, max_tokens {args.max_tokens}, model {args.model}")
-    print("| concurrency | eyrie req/s | bench_serving req/s | eyrie out tok/s | bench_serving out tok/s |")
+    print("| concurrency | req/s | out tok/s | E2E latency p50 ms | E2E latency p99 ms |")
     print("|---|---|---|---|---|")
     for concurrency, ours, ref in rows:
-        print(
-            f"| {concurrency} | {ours['req_per_s']:.2f} | {ref['req_per_s']:.2f} | "
-            f"{ours['tok_out_per_s']:.0f} | {ref['tok_out_per_s']:.0f} |"
-        )
+        cells = [f"{ours[k]:.2f} / {ref[k]:.2f}" if k == "req_per_s" else f"{ours[k]:.0f} / {ref[k]:.0f}"
+                 for k in ("req_per_s", "tok_out_per_s", "p50_ms", "p99_ms")]  # fmt: skip
+        print(f"| {concurrency} | " + " | ".join(cells) + " |")
+    print("(each cell: eyrie generate / sglang.bench_serving)")
 
 
 if __name__ == "__main__":

@@ -240,11 +240,22 @@ def generate(
     drop_truncated: Annotated[
         bool, typer.Option(help="Put rows cut by max_tokens in errors.jsonl instead.")
     ] = False,
-    retry_errors: Annotated[bool, typer.Option(help="Retry ids in errors.jsonl.")] = False,
-    max_retries: Annotated[int, typer.Option(help="Retries of a transient error.")] = 6,
+    retry_errors: Annotated[bool, typer.Option(help="Ask the ids in errors.jsonl again.")] = False,
+    restart: Annotated[
+        bool, typer.Option(help="Move earlier rows aside (restarted/) and start over.")
+    ] = False,
+    max_retries: Annotated[
+        int, typer.Option(help="Retries of a transient error while the server is up.")
+    ] = 6,
     retry_base: Annotated[float, typer.Option(help="First backoff, seconds (doubles).")] = 0.5,
+    max_error_rate: Annotated[
+        float, typer.Option(help="Stop when this share of the last --error-window rows failed (1: never).")
+    ] = 0.5,
+    error_window: Annotated[int, typer.Option(help="Rows the error rate is taken over.")] = 200,
     request_timeout: Annotated[str, typer.Option()] = "10m",
-    health_timeout: Annotated[str, typer.Option(help="Wait this long for the server.")] = "10m",
+    health_timeout: Annotated[
+        str, typer.Option(help="Wait this long for a server to answer /health: at start and in an outage.")
+    ] = "10m",
     api_key_env: Annotated[str | None, typer.Option(help="Env var holding the API key.")] = "OPENAI_API_KEY",
     api_key_file: Annotated[Path | None, typer.Option(help="File holding the API key.")] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = None,
@@ -271,8 +282,11 @@ def generate(
             chat_template_kwargs=chat_template_kwargs,
             drop_truncated=drop_truncated,
             retry_errors=retry_errors,
+            restart=restart,
             max_retries=max_retries,
             retry_base=retry_base,
+            max_error_rate=max_error_rate,
+            error_window=error_window,
             request_timeout=request_timeout,
             health_timeout=health_timeout,
             api_key_env=api_key_env,

@@ -3,10 +3,13 @@
 A real aiohttp HTTP server on loopback that answers ``/v1/chat/completions``
 instantly with a deterministic answer, and can be told to misbehave: answer 5xx or
 429 for a fraction of requests, be slow, drop the connection without answering,
-die (``os._exit``) after N answers, reject marked prompts with a 400, cut marked
-prompts at ``length``, return ``reasoning_content`` or ``tool_calls``, demand an
-API key. It prints ``PORT <n>`` once listening. ``--record`` appends each request
-body to a JSONL file so tests can check what the driver sent.
+die (``os._exit``) after N answers, have an outage after N answers (500 to every
+chat for S seconds, ``/health`` too with ``--outage-health``, then exit or recover),
+reject marked prompts with a 400, cut marked prompts at ``length``, return
+``reasoning_content`` or ``tool_calls``, answer with text that is not valid Unicode,
+demand an API key, list another model name. It prints ``PORT <n>`` once listening.
+``--record`` appends each request body to a JSONL file so tests can check what the
+driver sent.
 
     python tests/fakes/fake_openai_server.py --port 0 --error-rate 500:0.2 --drop-rate 0.05
 """
@@ -41,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rate", type=float, default=0.0)
     p.add_argument("--slow-s", type=float, default=0.5)
     p.add_argument("--die-after", type=int, default=0, help="exit abruptly after N answers")
+    p.add_argument("--outage-after", type=int, default=0, help="after N answers, 500 to every chat")
+    p.add_argument("--outage-s", type=float, default=5.0, help="for this long, then --outage-then")
+    p.add_argument("--outage-then", choices=["exit", "recover"], default="recover")
+    p.add_argument("--outage-health", action="store_true", help="/health answers 503 during the outage")
+    p.add_argument("--model", default=MODEL, help="the model name /v1/models lists")
+    p.add_argument("--surrogate-marker", default="BAD-UNICODE", help="answer with a lone surrogate")
     p.add_argument("--reject-marker", default="REJECT-ME", help="400 when a message contains it")
     p.add_argument("--length-marker", default="CUT-ME", help="finish_reason=length when present")
     p.add_argument("--reasoning", action="store_true", help="return reasoning_content")
@@ -60,19 +69,26 @@ def answer_for(messages: list[dict]) -> str:
 def make_app(args: argparse.Namespace) -> web.Application:
     rng = random.Random(args.seed)
     errors = [(int(s), float(f)) for s, f in (e.split(":") for e in args.error_rate)]
-    state = {"answered": 0}
+    state = {"answered": 0, "outage": False}
     record = open(args.record, "a", encoding="utf-8") if args.record else None  # noqa: SIM115
 
     def authorized(request: web.Request) -> bool:
         return args.api_key is None or request.headers.get("Authorization") == f"Bearer {args.api_key}"
 
+    def end_outage() -> None:
+        if args.outage_then == "exit":
+            os._exit(18)
+        state["outage"] = False
+
     async def health(request: web.Request) -> web.Response:
+        if args.outage_health and state["outage"]:
+            return web.json_response({"status": "unhealthy"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def models(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         if not authorized(request):
@@ -81,6 +97,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
         if record:
             record.write(json.dumps(body) + "\n")
             record.flush()
+        if state["outage"]:
+            return web.json_response({"error": {"message": "injected outage"}}, status=500)
         roll = rng.random()
         for status, fraction in errors:
             if roll < fraction:
@@ -99,6 +117,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
                 status=400,
             )
         content = answer_for(messages)
+        if args.surrogate_marker in text:
+            content += " \ud800"  # sent as the JSON escape; decodes to text that is not valid Unicode
         message: dict = {"role": "assistant", "content": content}
         if args.reasoning:
             message["reasoning_content"] = f"thinking about {content[7:19]}"
@@ -119,6 +139,9 @@ def make_app(args: argparse.Namespace) -> web.Application:
         state["answered"] += 1
         if args.die_after and state["answered"] > args.die_after:
             os._exit(17)  # sudden death: no answer, every connection reset
+        if args.outage_after and state["answered"] == args.outage_after:
+            state["outage"] = True
+            asyncio.get_running_loop().call_later(args.outage_s, end_outage)
         return web.json_response(response)
 
     app = web.Application(client_max_size=64 * 1024 * 1024)

@@ -51,8 +51,11 @@ def generate_command(
     chat_template_kwargs: str | None,
     drop_truncated: bool,
     retry_errors: bool,
+    restart: bool,
     max_retries: int,
     retry_base: float,
+    max_error_rate: float,
+    error_window: int,
     request_timeout: str,
     health_timeout: str,
     api_key_env: str | None,
@@ -73,6 +76,10 @@ def generate_command(
             )
         if concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
+        if not 0 <= max_error_rate <= 1:
+            raise ValueError(f"--max-error-rate must be from 0 to 1 (1: never stop), not {max_error_rate}")
+        if error_window < 1:
+            raise ValueError("--error-window must be at least 1 row")
         template_kwargs: dict[str, Any] | None = None
         if chat_template_kwargs:
             template_kwargs = json.loads(chat_template_kwargs)
@@ -89,9 +96,12 @@ def generate_command(
             chat_template_kwargs=template_kwargs,
             drop_truncated=drop_truncated,
             retry_errors=retry_errors,
+            restart=restart,
             request_timeout_s=parse_duration(request_timeout),
             health_timeout_s=parse_duration(health_timeout),
             retry=Retry(max_retries=max_retries, base_s=retry_base),
+            max_error_rate=max_error_rate,
+            error_window=error_window,
             api_key=read_api_key(api_key_env, api_key_file),
             limit=limit,
         )

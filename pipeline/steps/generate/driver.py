@@ -4,15 +4,19 @@ Files in the step directory:
 
 - ``conversations.partial.jsonl`` / ``errors.partial.jsonl``: append-only while the
   step runs, flushed and fsynced in batches. A rerun (after a kill, a crash, a dead
-  server) skips every id already in either file.
-- ``generate.settings.json``: what the partial rows were made with; a rerun with other
-  settings (model, mode, sampling) starts over instead of mixing answers.
+  server) skips every id already in either file. ``errors`` holds final answers only
+  (the server rejected the request, or the row cannot be asked); a row whose request
+  kept failing transiently is written nowhere, so a rerun asks it again.
+- ``generate.settings.json``: what the rows were made with. A rerun with other
+  settings (model, mode, sampling) refuses to mix answers; ``--restart`` moves the
+  earlier rows into ``restarted/STAMP/`` and starts over.
 - On success both partial files are renamed to ``conversations.jsonl`` and
   ``errors.jsonl`` and the manifest is written with the summary.
 
 Exit codes: 0 done; 1 rows went missing on the way to disk (no manifest; a rerun asks
-for them again); 2 bad input or settings; 3 the server(s) stopped answering (rows done
-so far are kept); 130/143 interrupted.
+for them again); 2 bad input or settings; 3 the server(s) failed: none answered
+within the patience, too many rows failed (``--max-error-rate``), or some rows got no
+answer (rows done so far are kept, no manifest); 130/143 interrupted.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import hashlib
 import json
 import os
 import signal
+import statistics
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,16 +51,22 @@ from pipeline.steps.generate.client import (
     ChatClient,
     HealthTimeout,
     PermanentError,
+    RetriesExhausted,
     Retry,
     ServersDead,
 )
 from pipeline.steps.generate.conversation import Mode, Plan, PromptError, output_row
+from pipeline.steps.generate.json_text import loads, not_unicode, utf8_json
 from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
 
 CONVERSATIONS = "conversations.jsonl"
 ERRORS = "errors.jsonl"
 OUTPUTS = [CONVERSATIONS, ERRORS]
 SETTINGS = "generate.settings.json"
+RESTARTED = "restarted"
+# A row that cannot be asked (no messages, an unknown role, text that is not Unicode): says
+# nothing about the server, so it does not count in the error rate.
+BAD_PROMPT = "bad_prompt"
 EXIT_ROWS_MISSING = 1
 EXIT_BAD_INPUT = 2
 EXIT_SERVERS_DEAD = 3
@@ -84,9 +96,13 @@ class GenerateConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     drop_truncated: bool = False
     retry_errors: bool = False
+    restart: bool = False
     request_timeout_s: float = 600.0
     health_timeout_s: float = 600.0
+    """How long to wait for a server to answer ``/health``: at the start, and whenever it stops."""
     retry: Retry = field(default_factory=Retry)
+    max_error_rate: float = 0.5
+    error_window: int = 200
     api_key: str | None = None
     flush_rows: int = 512
     flush_interval_s: float = 1.0
@@ -127,10 +143,10 @@ def scan_prompts(path: Path, limit: int | None) -> list[str]:
             if not line.strip():
                 continue
             try:
-                row_id = json.loads(line)["id"]
+                row_id = loads(line)["id"]
             except (ValueError, KeyError, TypeError):
                 raise GenerateError(
-                    f"{path}:{number} is not a prompt row with an id (DESIGN.md prompts.jsonl)"
+                    f"{path}:{number} is not a prompt row (a JSON object with an id, as the prep step writes)"
                 ) from None
             if row_id not in seen:
                 seen.add(row_id)
@@ -145,7 +161,7 @@ def iter_todo(path: Path, todo: set[str]) -> Iterator[dict[str, Any]]:
         for line in fh:
             if not line.strip():
                 continue
-            row = json.loads(line)
+            row = loads(line)
             if row["id"] in todo:
                 todo.discard(row["id"])
                 yield row
@@ -163,32 +179,34 @@ def settings_of(config: GenerateConfig, model: str) -> dict[str, Any]:
 
 
 def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple[set[str], int]:
-    """Put the partial files in place for this run; returns (ids done, bytes of torn tails cut)."""
+    """Put the partial files in place for this run; returns (ids done, bytes of torn tails cut).
+
+    Rows made with other settings are never mixed with new ones nor deleted: without
+    ``--restart`` the step refuses to run, with it they are moved aside first.
+    """
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    # From here until the end the outputs are being changed: no manifest may vouch for them.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
     settings = settings_of(config, model)
     settings_path = out / SETTINGS
-    previous = None
-    if settings_path.exists():
-        try:
-            previous = json.loads(settings_path.read_text())
-        except ValueError:
-            previous = None
+    previous = _read_settings(settings_path)
+    names = [name for final in OUTPUTS for name in (final, partial_name(final))]
+    earlier = [out / name for name in names if (out / name).exists()]
+    if earlier and previous != settings and not config.restart:
+        raise GenerateError(
+            f"generate: the rows in {out} were made with other settings "
+            f"({_settings_diff(previous, settings)}); rerun with the same settings to resume them, "
+            "or add --restart to move them aside and start over"
+        )
+    if earlier and config.restart:
+        aside = set_aside(out, [*earlier, settings_path, out / MANIFEST_NAME])
+        console.print(f"generate: --restart: the earlier rows are kept in {aside}", markup=False)
+    # From here until the end the outputs are being changed: no manifest may vouch for them.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
     for final in OUTPUTS:
         partial = out / partial_name(final)
         # A finished (or manifest-less) earlier attempt: resume from it like any partial.
         if (out / final).exists() and not partial.exists():
             os.replace(out / final, partial)
-    has_rows = any((out / partial_name(f)).exists() for f in OUTPUTS)
-    if has_rows and previous != settings:
-        console.print(
-            f"generate: rows in {out} were made with other settings ({_settings_diff(previous, settings)}); "
-            "starting over"
-        )
-        for final in OUTPUTS:
-            (out / partial_name(final)).unlink(missing_ok=True)
     with atomic_path(settings_path) as tmp:
         tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
     cut = 0
@@ -206,11 +224,53 @@ def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple
     return done, cut
 
 
+def _read_settings(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _settings_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
     if old is None:
-        return "no settings recorded"
-    changed = [k for k in new if old.get(k) != new[k]]
-    return "changed: " + ", ".join(changed)
+        return f"no readable {SETTINGS} beside them"
+    before, after = _flatten(old), _flatten(new)
+    return ", ".join(
+        f"{key} {before.get(key)!r} -> {after.get(key)!r}"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    )
+
+
+def set_aside(out: Path, paths: list[Path]) -> Path:
+    """Move the files of ``paths`` that exist into a new ``out/restarted/STAMP/``; returns it."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    parent = out / RESTARTED
+    parent.mkdir(exist_ok=True)
+    aside, n = parent / stamp, 1
+    while True:
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            aside = parent / f"{stamp}-{n}"
+    for path in paths:
+        if path.exists():
+            os.replace(path, aside / path.name)
+    fsync_dir(aside)
+    fsync_dir(out)
+    return aside
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -220,6 +280,9 @@ class Tally:
     conversations: int = 0
     errors: int = 0
     errors_by_kind: dict[str, int] = field(default_factory=dict)
+    unanswered: int = 0
+    unanswered_by_kind: dict[str, int] = field(default_factory=dict)
+    last_failure: str = ""
     truncated: int = 0
     fallback_last_turn: int = 0
     tokens_in: int = 0
@@ -230,22 +293,52 @@ class Tally:
         self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
 
+class ErrorRateExceeded(Exception):
+    pass
+
+
+class ErrorWindow:
+    """The share of failed rows among the last ``size`` rows that ended.
+
+    Judged once the window is full, or once every row of a shorter run has ended: a
+    few early failures of a long run say nothing yet.
+    """
+
+    def __init__(self, size: int, limit: float, rows_to_do: int) -> None:
+        self.limit = limit
+        self.outcomes: deque[bool] = deque(maxlen=size)
+        self.failed = 0
+        self.judged_from = max(1, min(size, rows_to_do))
+
+    def add(self, failed: bool) -> bool:
+        """Record one row; returns whether the failure rate is now above the limit."""
+        outcomes = self.outcomes
+        if len(outcomes) == outcomes.maxlen:
+            self.failed -= outcomes[0]
+        outcomes.append(failed)
+        self.failed += failed
+        n = len(outcomes)
+        return n >= self.judged_from and self.failed > self.limit * n
+
+
 class Generation:
-    def __init__(self, config: GenerateConfig, client: ChatClient, model: str) -> None:
+    def __init__(self, config: GenerateConfig, client: ChatClient, model: str, rows_to_do: int) -> None:
         self.config = config
         self.client = client
         self.model = model
         self.tally = Tally()
+        self.window = ErrorWindow(config.error_window, config.max_error_rate, rows_to_do)
         out = config.out_dir
         self.conversations = JsonlAppender(out / partial_name(CONVERSATIONS))
         self.errors = JsonlAppender(out / partial_name(ERRORS))
-        self._conv_buf: list[dict[str, Any]] = []
-        self._err_buf: list[dict[str, Any]] = []
+        self._conv_buf: list[bytes] = []
+        self._err_buf: list[bytes] = []
         self._flush_now = asyncio.Event()
         self._stopping = False
         self._write_lock = asyncio.Lock()
 
-    def payload(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    def payload(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> bytes:
+        """The request body: JSON in UTF-8 (``UnicodeEncodeError`` when the text is not valid Unicode)."""
         s = self.config.sampling
         body: dict[str, Any] = {
             "model": self.model,
@@ -261,20 +354,26 @@ class Generation:
             body["chat_template_kwargs"] = self.config.chat_template_kwargs
         if row.get("tools"):
             body["tools"] = row["tools"]
-        return body
+        return utf8_json(body)
 
     async def one_row(self, row: dict[str, Any]) -> None:
         tally = self.tally
+        row_id = row["id"]
         try:
             plan = Plan(row.get("messages") or [], self.config.mode)
         except PromptError as exc:
-            self._error(row["id"], "bad_prompt", str(exc))
+            self._error(row_id, BAD_PROMPT, str(exc))
             return
         finish_reasons: list[str | None] = []
         usage_in = usage_out = 0
         try:
             while (history := plan.next_history()) is not None:
-                data = await self.client.chat(self.payload(row, history))
+                try:
+                    body = self.payload(row, history)
+                except UnicodeEncodeError as exc:
+                    self._error(row_id, BAD_PROMPT, f"not valid Unicode text: {not_unicode(exc)}")
+                    return
+                data = await self.client.chat(body)
                 choice = data["choices"][0]
                 plan.feed(choice["message"])
                 finish_reasons.append(choice.get("finish_reason"))
@@ -282,31 +381,65 @@ class Generation:
                 usage_in += usage.get("prompt_tokens") or 0
                 usage_out += usage.get("completion_tokens") or 0
         except PermanentError as exc:
-            self._error(row["id"], exc.kind, exc.reason)
+            self._error(row_id, exc.kind, exc.reason)
+            self._judge(True, f"{exc.kind}: {exc.reason}")
+            return
+        except RetriesExhausted as exc:
+            # No final answer: written nowhere, so the row stays to do and a rerun asks it again.
+            tally.unanswered += 1
+            tally.unanswered_by_kind[exc.kind] = tally.unanswered_by_kind.get(exc.kind, 0) + 1
+            self._judge(True, f"{exc.kind}: {exc.reason}")
+            return
+        result = output_row(row, plan, finish_reasons)
+        result["usage"] = {"prompt_tokens": usage_in, "completion_tokens": usage_out}
+        try:
+            line = utf8_json(result) + b"\n"
+        except UnicodeEncodeError as exc:
+            reason = f"the answer is not valid Unicode text: {not_unicode(exc)}"
+            self._error(row_id, "bad_response", reason)
+            self._judge(True, f"bad_response: {reason}")
             return
         tally.tokens_in += usage_in
         tally.tokens_out += usage_out
-        result = output_row(row, plan, finish_reasons)
-        result["usage"] = {"prompt_tokens": usage_in, "completion_tokens": usage_out}
         if plan.fell_back:
             tally.fallback_last_turn += 1
         if result["truncated"]:
             tally.truncated += 1
             if self.config.drop_truncated:
-                self._error(row["id"], "truncated", "finish_reason=length; dropped by --drop-truncated")
+                self._error(row_id, "truncated", "finish_reason=length; dropped by --drop-truncated")
+                self._judge(False)
                 return
         tally.rows_done += 1
         tally.conversations += 1
-        self._conv_buf.append(result)
+        self._conv_buf.append(line)
         if len(self._conv_buf) >= self.config.flush_rows:
             self._flush_now.set()
+        self._judge(False)
 
     def _error(self, row_id: str, kind: str, reason: str) -> None:
+        """A final answer for the row: it goes to errors.jsonl and a rerun skips it."""
         self.tally.rows_done += 1
         self.tally.error(kind)
-        self._err_buf.append({"id": row_id, "kind": kind, "reason": reason})
+        row = {"id": row_id, "kind": kind, "reason": reason}
+        try:
+            line = utf8_json(row)
+        except UnicodeEncodeError:
+            line = json.dumps(row).encode()  # \u escapes: the row as it came, still readable JSON
+        self._err_buf.append(line + b"\n")
         if len(self._err_buf) >= self.config.flush_rows:
             self._flush_now.set()
+
+    def _judge(self, failed: bool, failure: str = "") -> None:
+        """Count a row the server answered (or failed) in the error rate; stop when it is too high."""
+        if failed:
+            self.tally.last_failure = failure
+        window = self.window
+        if window.add(failed):
+            raise ErrorRateExceeded(
+                f"{window.failed} of the last {len(window.outcomes)} rows failed "
+                f"({window.failed / len(window.outcomes):.0%}, above --max-error-rate "
+                f"{self.config.max_error_rate:g}; last: {self.tally.last_failure[:300]})"
+            )
 
     async def flush(self) -> None:
         async with self._write_lock:
@@ -315,9 +448,9 @@ class Generation:
             if conv or err:
                 await asyncio.to_thread(self._write, conv, err)
 
-    def _write(self, conv: list[dict[str, Any]], err: list[dict[str, Any]]) -> None:
-        self.conversations.write_batch(conv)
-        self.errors.write_batch(err)
+    def _write(self, conv: list[bytes], err: list[bytes]) -> None:
+        self.conversations.write_lines(conv)
+        self.errors.write_lines(err)
 
     async def flusher(self) -> None:
         # Stopped by a flag, never cancelled: a cancel can be lost inside wait_for (Python 3.11
@@ -367,26 +500,29 @@ class Generation:
         columns = [
             TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[rps]:>7.1f} req/s"), TextColumn("{task.fields[tps]:>8.0f} tok/s"),
-            TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("errors {task.fields[errors]}"), TextColumn("unanswered {task.fields[unanswered]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         ]  # fmt: skip
         started = time.monotonic()
         last_log = started
-        with Progress(*columns, console=console, transient=False) as bar:
-            task = bar.add_task("generate", total=total, completed=already, rps=0.0, tps=0.0, errors=0)
+        # Redrawn by this loop, not by rich's refresh thread (10 wakeups a second for the GIL).
+        with Progress(*columns, console=console, transient=False, auto_refresh=False) as bar:
+            task = bar.add_task("generate", total=total, completed=already, rps=0.0, tps=0.0, errors=0,
+                                unanswered=0)  # fmt: skip
             while True:
                 await asyncio.sleep(0.5)
                 elapsed = max(time.monotonic() - started, 1e-6)
                 t = self.tally
                 rps = self.client.counters.requests / elapsed
                 tps = t.tokens_out / elapsed
-                bar.update(task, completed=already + t.rows_done, rps=rps, tps=tps, errors=t.errors)
+                bar.update(task, completed=already + t.rows_done, rps=rps, tps=tps, errors=t.errors,
+                           unanswered=t.unanswered, refresh=True)  # fmt: skip
                 # Logs (not a terminal) get a plain line every 10 s instead of a live bar.
                 if not console.is_terminal and time.monotonic() - last_log >= 10:
                     last_log = time.monotonic()
                     console.print(
                         f"generate: {already + t.rows_done}/{total} rows, {rps:.1f} req/s, "
-                        f"{tps:.0f} tok/s, {t.errors} errors"
+                        f"{tps:.0f} tok/s, {t.errors} errors, {t.unanswered} unanswered"
                     )
 
 
@@ -403,7 +539,7 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
         rewrite = False
         with open(partial, "rb") as fh:
             for line in fh:
-                row = json.loads(line)
+                row = loads(line)
                 if row["id"] in seen or row["id"] not in input_ids:
                     rewrite = True
                     stats["dropped_not_in_prompts"] += row["id"] not in input_ids
@@ -431,6 +567,17 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
     return stats
 
 
+def latency_ms(seconds: Sequence[float]) -> dict[str, float] | None:
+    """Mean and percentiles of request latencies in ms, interpolated as numpy's (and bench_serving's)."""
+    if not seconds:
+        return None
+    ms = [1000 * s for s in seconds]
+    # 'inclusive' is numpy.percentile's default linear interpolation; one value is every percentile.
+    cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+    return {"mean": round(statistics.fmean(ms), 3), "p50": round(cuts[49], 3),
+            "p90": round(cuts[89], 3), "p99": round(cuts[98], 3), "max": round(max(ms), 3)}  # fmt: skip
+
+
 _received: list[int] = []
 
 
@@ -444,7 +591,8 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
     urls = [redact_url(u) for u in config.urls]
     async with ChatClient(
         config.urls, concurrency=config.concurrency, request_timeout_s=config.request_timeout_s,
-        retry=config.retry, api_key=config.api_key,
+        retry=config.retry, patience_s=config.health_timeout_s, api_key=config.api_key,
+        log=lambda message: console.print(message, markup=False, highlight=False),
     ) as client:  # fmt: skip
         try:
             await client.wait_healthy(config.health_timeout_s)
@@ -465,19 +613,26 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
             + f"; {len(todo)} to go on {', '.join(urls)} (model {model}, mode {config.mode}, "
             f"concurrency {config.concurrency})"
         )
-        generation = Generation(config, client, model)
-        started = time.monotonic()
+        generation = Generation(config, client, model, len(todo))
+        started, cpu_started = time.monotonic(), time.process_time()
         loop = asyncio.get_running_loop()
         main_task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _interrupt, main_task, sig)
+        t = generation.tally
+        kept = f"{{}}/{len(input_ids)} rows are done and kept in {config.out_dir}"
         try:
             await generation.run(iter_todo(config.prompts, set(todo)), len(input_ids), already, console)
         except ServersDead as exc:
-            t = generation.tally
             raise GenerateError(
-                f"generate: stopped, no server answers any more ({exc}); {already + t.rows_done}/"
-                f"{len(input_ids)} rows are done and kept in {config.out_dir}; rerun to resume",
+                f"generate: stopped, no server answers any more ({exc}); "
+                f"{kept.format(already + t.rows_done)}; rerun to resume",
+                EXIT_SERVERS_DEAD,
+            ) from None
+        except ErrorRateExceeded as exc:
+            raise GenerateError(
+                f"generate: stopped, {exc}; {kept.format(already + t.rows_done)}; "
+                "fix the server or the settings and rerun to resume",
                 EXIT_SERVERS_DEAD,
             ) from None
         except AuthError as exc:
@@ -485,7 +640,15 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-        wall = time.monotonic() - started
+        wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
+        if t.unanswered:
+            kinds = ", ".join(f"{k}: {n}" for k, n in sorted(t.unanswered_by_kind.items()))
+            raise GenerateError(
+                f"generate: {t.unanswered} prompts got no answer after {config.retry.max_retries + 1} "
+                f"attempts each ({kinds}; last: {t.last_failure[:300]}); none is recorded as an error: "
+                f"rerun to ask them again; {kept.format(already + t.rows_done)}",
+                EXIT_SERVERS_DEAD,
+            )
         stats = finalize(config.out_dir, input_ids, config.mode)
         # The manifest vouches for every prompt: a row lost between a worker and the disk must
         # not pass as done.
@@ -496,7 +659,6 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
                 f"{ERRORS} in {config.out_dir}; no manifest written, rerun to ask for them again",
                 EXIT_ROWS_MISSING,
             )
-        t = generation.tally
         counters = client.counters
         stats.update(
             prompts=len(input_ids), model=model, mode=config.mode, servers=urls,
@@ -504,11 +666,14 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
             this_attempt={
                 "rows": t.rows_done, "resumed_from": already, "requests": counters.requests,
                 "retries": counters.retries, "transient": counters.transient,
+                "outages": counters.outages, "outage_s": round(counters.outage_s, 1),
                 "errors_by_kind": t.errors_by_kind, "truncated": t.truncated,
                 "fallback_last_turn": t.fallback_last_turn,
                 "tokens_in": t.tokens_in, "tokens_out": t.tokens_out, "wall_s": round(wall, 3),
+                "cpu_s": round(cpu, 3),
                 "req_per_s": round(counters.requests / wall, 2) if wall > 0 else None,
                 "tok_out_per_s": round(t.tokens_out / wall, 2) if wall > 0 else None,
+                "e2e_latency_ms": latency_ms(counters.latencies_s),
             },
         )  # fmt: skip
         return stats
@@ -521,6 +686,12 @@ def _event_loop_runner():
     except ImportError:
         return asyncio.run
     return uvloop.run
+
+
+def _latency_text(latency: dict[str, float] | None) -> str:
+    if not latency:
+        return ""
+    return f", latency p50 {latency['p50']:.0f} ms, p99 {latency['p99']:.0f} ms"
 
 
 def generate(config: GenerateConfig, console: Console | None = None) -> int:
@@ -539,7 +710,7 @@ def generate(config: GenerateConfig, console: Console | None = None) -> int:
         f"generate: done, {stats['conversations']} conversations, {stats['errors']} errors "
         f"{stats['errors_by_kind'] or ''}, {stats['truncated']} truncated, "
         f"{stats['tokens_in']} tokens in, {stats['tokens_out']} out, "
-        f"{stats['this_attempt']['req_per_s']} req/s",
+        f"{stats['this_attempt']['req_per_s']} req/s{_latency_text(stats['this_attempt']['e2e_latency_ms'])}",
         markup=False, highlight=False,
     )  # fmt: skip
     return 0

@@ -4,16 +4,19 @@ Rows are appended in batches, each batch flushed and fsynced. A kill can only te
 the tail, so on open everything after the last newline is cut off and the ids of
 the complete lines are the rows already done. Completion order does not matter:
 resume is by id.
+
+Rows arrive encoded (``json_text.utf8_json``), one by one before they join a batch:
+text that is not valid Unicode is refused for that row alone, never in the middle of
+writing a batch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 from pipeline.run.manifest import fsync_dir
+from pipeline.steps.generate.json_text import loads
 
 _CHUNK = 1 << 20
 
@@ -55,7 +58,7 @@ def read_ids(path: Path) -> list[str]:
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             try:
-                ids.append(json.loads(line)["id"])
+                ids.append(loads(line)["id"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise StoreError(
                     f"{path}:{number} is not a complete row ({exc}); only the last line can be "
@@ -65,7 +68,7 @@ def read_ids(path: Path) -> list[str]:
 
 
 class JsonlAppender:
-    """Appends rows to a JSONL file; ``write_batch`` returns once they are on disk."""
+    """Appends lines to a JSONL file; ``write_lines`` returns once they are on disk."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -74,11 +77,11 @@ class JsonlAppender:
         if not existed:
             fsync_dir(path.parent)
 
-    def write_batch(self, rows: list[dict[str, Any]]) -> None:
-        if not rows:
+    def write_lines(self, lines: list[bytes]) -> None:
+        """Append ``lines`` (encoded rows, each ending in a newline), flushed and fsynced."""
+        if not lines:
             return
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-        self._fh.write(data)
+        self._fh.write(b"".join(lines))
         self._fh.flush()
         os.fsync(self._fh.fileno())
 

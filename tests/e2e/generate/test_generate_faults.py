@@ -79,8 +79,8 @@ def test_permanent_errors_go_to_errors_jsonl_and_truncated_rows_are_flagged(tmp_
     assert stats["errors_by_kind"] == {"http_400": 10}
     assert stats["truncated"] == len(truncated) and stats["conversations"] == 90
 
-    # Dropping truncated rows instead: they move to errors.jsonl (settings changed: starts over).
-    assert run_generate(prompts, out, server.url, extra=("--drop-truncated",)).returncode == 0
+    # Dropping truncated rows instead: they move to errors.jsonl (other settings: --restart).
+    assert run_generate(prompts, out, server.url, extra=("--drop-truncated", "--restart")).returncode == 0
     kinds = Counter(e["kind"] for e in read_jsonl(out / "errors.jsonl"))
     assert kinds == {"http_400": 10, "truncated": len(truncated)}
     assert len(read_jsonl(out / "conversations.jsonl")) == 90 - len(truncated)
@@ -131,9 +131,10 @@ def test_dead_server_stops_cleanly_and_a_rerun_completes_exactly_once(tmp_path, 
     dying = fake_server("--die-after", "150")
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 400)
     out = tmp_path / "out"
-    result = run_generate(prompts, out, dying.url, extra=("--max-retries", "3"))
+    result = run_generate(prompts, out, dying.url, extra=("--max-retries", "3", "--health-timeout", "2s"))
     assert result.returncode == 3, result.stderr
-    assert "no server answers any more" in result.stderr and "rerun to resume" in result.stderr
+    assert f"no server answers any more ({dying.url} gave no answer for 2s" in result.stderr
+    assert "rerun to resume" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_manifest(out) is None  # nothing looks complete
     assert not (out / "conversations.jsonl").exists()
@@ -270,3 +271,76 @@ def test_rows_that_cannot_be_asked_are_errors_not_crashes(tmp_path, fake_server)
     errors = {e["id"]: e for e in read_jsonl(tmp_path / "out" / "errors.jsonl")}
     assert set(errors) == {"empty", "odd-role"} and {e["kind"] for e in errors.values()} == {"bad_prompt"}
     assert ids_of(tmp_path / "out" / "conversations.jsonl") == ["fine"]
+
+
+def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_aside(tmp_path, fake_server):
+    server = fake_server()
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 50)
+    out = tmp_path / "out"
+    assert run_generate(prompts, out, server.url).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    refused = run_generate(prompts, out, server.url, extra=("--temperature", "0.5"))
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        f"generate: the rows in {out} were made with other settings (sampling.temperature 0.7 -> 0.5); "
+        "rerun with the same settings to resume them, or add --restart to move them aside and start over"
+    )
+    # Refused before touching anything: the earlier outputs still check out as complete.
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert check_manifest(out, ["conversations.jsonl", "errors.jsonl"])[0]
+
+    # The model name from /v1/models changed behind a router: the same refusal.
+    other = fake_server("--model", "other-target")
+    refused = run_generate(prompts, out, other.url)
+    assert refused.returncode == 2 and "model 'fake-target' -> 'other-target'" in refused.stderr
+
+    restarted = run_generate(prompts, out, server.url, extra=("--temperature", "0.5", "--restart"))
+    assert restarted.returncode == 0, restarted.stderr
+    (aside,) = (out / "restarted").iterdir()
+    assert f"--restart: the earlier rows are kept in {aside}" in restarted.stderr
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert json.loads((aside / "generate.settings.json").read_text())["sampling"]["temperature"] == 0.7
+    assert len(read_jsonl(out / "conversations.jsonl")) == 50
+    assert read_manifest(out).stats["sampling"]["temperature"] == 0.5
+
+
+def test_text_that_is_not_unicode_is_a_row_error_not_a_crash(tmp_path, fake_server):
+    record = tmp_path / "requests.jsonl"
+    server = fake_server("--record", str(record))
+    rows = [
+        # json.dumps writes the lone surrogate as the escape \ud800: valid JSON, not valid Unicode.
+        {"id": "lone", "source": "t", "messages": [{"role": "user", "content": "lone \ud800 surrogate"}]},
+        {"id": "answer", "source": "t", "messages": [{"role": "user", "content": "say BAD-UNICODE"}]},
+        *({"id": f"ok{i}", "source": "t", "messages": [{"role": "user", "content": "q"}]} for i in range(8)),
+    ]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = {e["id"]: e for e in read_jsonl(out / "errors.jsonl")}
+    assert errors["lone"]["kind"] == "bad_prompt"
+    assert "not valid Unicode text: lone surrogate U+D800 after" in errors["lone"]["reason"]
+    assert errors["answer"]["kind"] == "bad_response"
+    assert "the answer is not valid Unicode text: lone surrogate U+D800" in errors["answer"]["reason"]
+    assert sorted(ids_of(out / "conversations.jsonl")) == [f"ok{i}" for i in range(8)]
+    # The prompt that cannot be sent was not; the server's bad answer was asked for once.
+    assert len(read_jsonl(record)) == 9
+
+    again = run_generate(prompts, out, server.url)
+    assert again.returncode == 0, again.stderr
+    assert "10 already done; 0 to go" in again.stderr
+
+
+def test_request_latency_percentiles_are_in_the_manifest(tmp_path, fake_server):
+    server = fake_server("--slow-rate", "1", "--slow-s", "0.05")
+    prompts = simple_prompts(tmp_path / "prompts.jsonl", 40)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url, extra=("--concurrency", "4"))
+    assert result.returncode == 0, result.stderr
+    latency = read_manifest(out).stats["this_attempt"]["e2e_latency_ms"]
+    assert set(latency) == {"mean", "p50", "p90", "p99", "max"}
+    assert 50 <= latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
+    assert 50 <= latency["mean"] <= latency["max"]
+    assert f"latency p50 {latency['p50']:.0f} ms, p99 {latency['p99']:.0f} ms" in result.stderr

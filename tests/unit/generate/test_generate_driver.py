@@ -12,7 +12,7 @@ from rich.console import Console
 from pipeline.run.manifest import read_manifest
 from pipeline.steps.generate import driver
 from pipeline.steps.generate.client import Counters
-from pipeline.steps.generate.driver import GenerateConfig, Generation, generate
+from pipeline.steps.generate.driver import ErrorWindow, GenerateConfig, Generation, generate, latency_ms
 
 
 class InstantClient:
@@ -34,7 +34,7 @@ class InstantClient:
     async def first_model(self) -> str:
         return "instant"
 
-    async def chat(self, payload: dict) -> dict:
+    async def chat(self, body: bytes) -> dict:
         self.counters.requests += 1
         if self.pause_s:
             await asyncio.sleep(self.pause_s)
@@ -57,7 +57,7 @@ def config_for(tmp_path, **overrides) -> GenerateConfig:
 
 
 def run_generation(config: GenerateConfig, client: InstantClient, n: int) -> None:
-    generation = Generation(config, client, "instant")
+    generation = Generation(config, client, "instant", n)
     asyncio.run(generation.run(iter(prompt_rows(n)), n, 0, Console(quiet=True)))
 
 
@@ -112,3 +112,31 @@ def test_no_manifest_when_rows_went_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(Generation, "_write", write)
     assert generate(config, Console(quiet=True)) == 0
     assert read_manifest(config.out_dir).stats["conversations"] == 6
+
+
+def test_the_error_window_judges_only_a_full_window_and_slides():
+    window = ErrorWindow(size=4, limit=0.5, rows_to_do=100)
+    assert [window.add(True) for _ in range(3)] == [False, False, False]  # not full yet
+    assert window.add(True)  # 4 of 4
+    window = ErrorWindow(size=4, limit=0.5, rows_to_do=100)
+    outcomes = [True, True, False, False, True, False, True, True]
+    # Failures in the last four: -, -, -, 2, 2, 2, 2, 3 -> only the last is above half.
+    assert [window.add(failed) for failed in outcomes] == [False] * 7 + [True]
+    # A run shorter than the window is judged once all its rows have ended.
+    window = ErrorWindow(size=200, limit=0.5, rows_to_do=3)
+    assert [window.add(True) for _ in range(3)] == [False, False, True]
+    # A limit of 1 never stops.
+    window = ErrorWindow(size=2, limit=1.0, rows_to_do=10)
+    assert not any(window.add(True) for _ in range(10))
+
+
+def test_latency_percentiles_match_numpy():
+    numpy = pytest.importorskip("numpy")
+    seconds = [0.001 * (i % 97) + 0.0001 * i for i in range(1000)]
+    got = latency_ms(seconds)
+    ms = numpy.array(seconds) * 1000
+    for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+        assert got[name] == pytest.approx(numpy.percentile(ms, q), abs=1e-3)
+    assert got["mean"] == pytest.approx(ms.mean(), abs=1e-3) and got["max"] == pytest.approx(ms.max())
+    assert latency_ms([0.25]) == {"mean": 250.0, "p50": 250.0, "p90": 250.0, "p99": 250.0, "max": 250.0}
+    assert latency_ms([]) is None

@@ -6,13 +6,14 @@ import json
 
 import pytest
 
+from pipeline.steps.generate.json_text import utf8_json
 from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
 
 
 def test_torn_last_line_is_cut_and_complete_lines_kept(tmp_path):
     path = tmp_path / "rows.jsonl"
     appender = JsonlAppender(path)
-    appender.write_batch([{"id": "a", "x": 1}, {"id": "b", "x": 2}])
+    appender.write_lines([utf8_json({"id": "a", "x": 1}) + b"\n", utf8_json({"id": "b", "x": 2}) + b"\n"])
     appender.close()
     whole = path.read_bytes()
     with open(path, "ab") as fh:
