@@ -29,7 +29,8 @@ def folder():
     with tempfile.TemporaryDirectory(prefix="eyrie-socket-") as name:
         os.chmod(name, 0o755)
         path = Path(name)
-        (path / "pipeline.yaml").write_text("steps:\n  - name: hello\n    command: [echo, hi]\n    memory: 64MiB\n")
+        pipeline = "steps:\n  - name: hello\n    command: [echo, hi]\n    memory: 64MiB\n"
+        (path / "pipeline.yaml").write_text(pipeline)
         yield path
 
 
