@@ -308,11 +308,17 @@ def provision(
         list[str] | None, typer.Option("--tag", help="Only these roles (repeatable), e.g. docker.")
     ] = None,
     limit: Annotated[str | None, typer.Option(help="Only these inventory hosts (Ansible pattern).")] = None,
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="EYRIE_PROVISION_DIR", help="Where the generated inventory and run artifacts are kept."
+        ),
+    ] = Path(".eyrie/ansible"),
 ) -> None:
     """Turn GPU hosts into verified pipeline hosts: driver, CUDA, Docker, container toolkit."""
     from pipeline.provision.cli import provision_command
 
-    raise typer.Exit(provision_command(host, inventory, check, tags, limit))
+    raise typer.Exit(provision_command(host, inventory, check, tags, limit, data_dir))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

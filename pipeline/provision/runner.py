@@ -1,9 +1,12 @@
 """Runs the provisioning playbook through ansible-runner and turns its events into facts.
 
-The private data dir (``.eyrie/ansible/`` by default) keeps ansible-runner's
-layout: ``inventory/`` (the site's variables as an inventory source, and the
-one-host inventory ``--host`` writes), ``artifacts/<ident>/`` (job events,
-stdout, rc, status, kept for the last runs).
+The data dir (``eyrie provision --data-dir``) keeps ``inventory/`` (the site's
+variables as an inventory source, and the one-host inventory ``--host``
+writes) and ``artifacts/<ident>/`` (job events, stdout, rc, status, the
+command, kept for the last runs). ansible-runner's private data dir is a new,
+empty folder for every run: ansible-runner reads options left in its
+``env/`` folder (``cmdline``, ``extravars``) by an earlier run, and a run
+must do exactly what its own command says.
 Every event updates a per-host tally; failures and unreachable hosts are kept
 with the task that hit them, so the caller can name host and task.
 """
@@ -11,8 +14,9 @@ with the task that hit them, so the caller can name host and task.
 from __future__ import annotations
 
 import os
-import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +24,24 @@ from typing import Any
 
 import yaml
 
+from pipeline.provision.errors import ProvisionError
+from pipeline.provision.inventory import (
+    Inventory,
+    ansible_env,
+    declared_variables,
+    describe_hosts,
+    read_inventory,
+    role_prefixes,
+    unknown_variables,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = Path(os.environ.get("EYRIE_ANSIBLE_DIR", REPO / "ansible"))
 PLAYBOOK = "playbooks/provision.yml"
 HOST_GROUP = "gpu_hosts"
 # The site's values for every GPU host (make verify reads the same file).
 SITE_VARS = ANSIBLE_DIR / "inventory" / "group_vars" / f"{HOST_GROUP}.yml"
-DEFAULT_DATA_DIR = Path(".eyrie/ansible")
 KEPT_ARTIFACTS = 20
-
-
-class ProvisionError(Exception):
-    """A problem found before Ansible runs (bad arguments, missing files)."""
 
 
 @dataclass
@@ -172,6 +182,27 @@ class EventTally:
         return True  # keep the event in the artifacts
 
 
+def check_variables(inventory: Inventory, source: str, extravars: dict[str, Any]) -> None:
+    """Every role-like variable set anywhere for the run is one a role declares; else one line each."""
+    roles = ANSIBLE_DIR / "roles"
+    declared, prefixes = declared_variables(roles), role_prefixes(roles)
+    site = site_inventory()["all"].get("vars", {})
+    where = {
+        str(SITE_VARS): {"all": site},
+        f"inventory {source}": {
+            host: [name for name in names if name not in site] for host, names in inventory.hostvars.items()
+        },
+        "extra variables": {"--extra-vars": extravars},
+    }
+    problems = []
+    for label, names_by_host in where.items():
+        for name, hosts, closest in unknown_variables(names_by_host, declared, prefixes):
+            setter = f" (set for {describe_hosts(hosts)})" if label.startswith("inventory") else ""
+            problems.append(f"{label}: {name}{setter} is not a variable of any role; did you mean {closest}?")
+    if problems:
+        raise ProvisionError("\n".join(problems))
+
+
 def provision(
     *,
     host: str | None = None,
@@ -180,7 +211,7 @@ def provision(
     tags: list[str] | None = None,
     limit: str | None = None,
     extravars: dict[str, Any] | None = None,
-    data_dir: Path = DEFAULT_DATA_DIR,
+    data_dir: Path,
     on_change: Callable[[EventTally], None] | None = None,
 ) -> ProvisionResult:
     """Run the provisioning playbook against one host or an inventory; never raises on host failures."""
@@ -198,45 +229,48 @@ def provision(
     if host is not None:
         inventory_path = generated / "host.yml"
         inventory_path.write_text(yaml.safe_dump(host_inventory(host), sort_keys=False))
+        source = f"--host {host}"
     else:
         inventory_path = Path(inventory).resolve()
         if not inventory_path.exists():
             raise ProvisionError(f"inventory {inventory} does not exist; copy ansible/inventory/example.yml")
+        source = str(inventory)
     # The site's variables apply to an inventory run as to a one-host run, wherever the inventory lives.
     site_path = generated / "site.yml"
     site_path.write_text(yaml.safe_dump(site_inventory(), sort_keys=False))
     playbook = ANSIBLE_DIR / PLAYBOOK
     if not playbook.exists():
         raise ProvisionError(f"playbook {playbook} is missing; set EYRIE_ANSIBLE_DIR to the ansible/ folder")
-
-    cmdline = []
-    if check:
-        cmdline += ["--check", "--diff"]
-    if tags:
-        cmdline += ["--tags", ",".join(tags)]
-    # ansible-playbook comes with ansible-core, beside this interpreter.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    tally = EventTally(on_change)
-    ident = time.strftime("%Y%m%dT%H%M%S") + ("-check" if check else "")
-    runner = ansible_runner.run(
-        private_data_dir=str(data_dir),
-        project_dir=str(ANSIBLE_DIR),
-        playbook=str(playbook),
-        inventory=[str(site_path), str(inventory_path)],  # later sources win
+    sources = [site_path, inventory_path]  # later sources win
+    targets = read_inventory(
+        sources,
+        user_source=Path(inventory or inventory_path),
+        group=HOST_GROUP,
         limit=limit,
-        extravars=extravars or None,
-        cmdline=" ".join(cmdline) or None,
-        envvars={
-            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
-            "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
-            "ANSIBLE_FORCE_COLOR": "0",
-            "PATH": path,
-        },
-        ident=ident,
-        rotate_artifacts=KEPT_ARTIFACTS,
-        event_handler=tally,
-        quiet=True,
+        ansible_dir=ANSIBLE_DIR,
     )
+    check_variables(targets, source, extravars or {})
+
+    tally = EventTally(on_change)
+    ident = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}" + ("-check" if check else "")
+    with tempfile.TemporaryDirectory(prefix="eyrie-ansible-runner-") as private_data_dir:
+        runner = ansible_runner.run(
+            private_data_dir=private_data_dir,
+            artifact_dir=str(data_dir / "artifacts"),
+            suppress_env_files=True,
+            project_dir=str(ANSIBLE_DIR),
+            playbook=str(playbook),
+            inventory=[str(path) for path in sources],
+            limit=limit,
+            tags=",".join(tags) if tags else None,
+            extravars=extravars or None,
+            cmdline="--check --diff" if check else None,
+            envvars=ansible_env(ANSIBLE_DIR),
+            ident=ident,
+            rotate_artifacts=KEPT_ARTIFACTS,
+            event_handler=tally,
+            quiet=True,
+        )
     recap: dict[str, dict[str, int]] = {}
     for key, per_host in (runner.stats or {}).items():
         if isinstance(per_host, dict):

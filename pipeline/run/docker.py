@@ -56,6 +56,38 @@ STOP_GRACE_S = 5.0
 STOP_RESEND_S = 0.5
 EVENT_SETTLE_S = 2.0
 INIT = ["python3", "-m", "pipeline.run.container_init"]
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+# A Hugging Face token file (compose passes it as a secret): step containers see it too.
+HF_TOKEN_PATH_ENV = "HF_TOKEN_PATH"
+
+
+def step_pids_limit(cpus: int) -> int:
+    """The most tasks (processes and threads) a step container may have: a fork bomb stops there.
+
+    A step may run a process per CPU, each with a thread pool per CPU (pyarrow, tokenizers,
+    OpenMP): CPUs squared, four times over, and never below 4096.
+    """
+    return max(4096, 4 * cpus * cpus)
+
+
+def engine_unreachable(exc: Exception) -> str:
+    """Why the engine did not answer, and what to do: the socket may be missing or not ours to use."""
+    host = os.environ.get("DOCKER_HOST", DEFAULT_SOCKET)
+    sock = Path(host.removeprefix("unix://")) if host.startswith("unix://") else None
+    if sock is not None and sock.exists() and not os.access(sock, os.R_OK | os.W_OK):
+        owner = sock.stat()
+        return (
+            f"the Docker engine's socket {sock} is mounted here, but this process (uid {os.getuid()}, "
+            f"groups {sorted(os.getgroups())}) may not use it: it belongs to uid {owner.st_uid}, "
+            f"gid {owner.st_gid}, mode {owner.st_mode & 0o777:o}. Run with group {owner.st_gid} added "
+            f"(docker run --group-add {owner.st_gid}; compose/compose.yaml adds it itself; on a host, "
+            "usermod -aG docker USER and log in again)"
+        )
+    return (
+        f"cannot reach the Docker engine ({exc}); start dockerd, or mount its socket "
+        "(/var/run/docker.sock) into this container, or set DOCKER_HOST"
+    )
+
 
 # The host's environment is not the container's: only these pass through from the
 # orchestrator's own environment (the runner's EYRIE_* and a step's `env:` always do).
@@ -292,10 +324,7 @@ class DockerExecutor:
             self.client = client or docker.from_env()
             self.client.ping()
         except docker.errors.DockerException as exc:
-            raise ExecutorError(
-                f"cannot reach the Docker engine ({exc}); start dockerd, or mount its socket "
-                "(/var/run/docker.sock) into this container, or set DOCKER_HOST"
-            ) from None
+            raise ExecutorError(engine_unreachable(exc)) from None
         self._own = self._own_container()
         own_image = self._own.image.id if self._own is not None else None
         # for steps whose options (the pipeline's `docker:` or their own) name no image
@@ -397,6 +426,9 @@ class DockerExecutor:
             # A target named by hub id is read from the cache once, by every step (compose: the
             # models volume SGLang downloads it into).
             mounts.append(self._mount_for(Path(launch.env[HF_HOME_ENV]), read_only=False, required=False))
+        token_file = launch.env.get(HF_TOKEN_PATH_ENV)
+        if token_file and Path(token_file).exists():
+            mounts.append(self._mount_for(Path(token_file), read_only=True, required=False))
         unique = {m["Target"]: m for m in mounts if m is not None}
 
         device_requests = [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None
@@ -414,6 +446,10 @@ class DockerExecutor:
             user=f"{os.getuid()}:{os.getgid()}",  # files in the run dir belong to the runner's user
             mem_limit=launch.limit_bytes,
             memswap_limit=launch.limit_bytes,
+            # A step runs as the runner's user and needs no capability, nor a setuid program's.
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges:true"],
+            pids_limit=step_pids_limit(len(os.sched_getaffinity(0))),
             labels={
                 "eyrie.run": launch.run_id,
                 "eyrie.step": launch.step,

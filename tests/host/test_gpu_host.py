@@ -27,6 +27,8 @@ SITE_VARS = ANSIBLE / "inventory" / "group_vars" / "gpu_hosts.yml"
 EXPECTED = (
     "nvidia_driver_branch",
     "nvidia_driver_packages",
+    "nvidia_driver_fabric_manager",
+    "nvidia_driver_fabric_manager_package",
     "cuda_toolkit_version",
     "cuda_toolkit_home",
     "nvidia_container_toolkit_version",
@@ -78,6 +80,13 @@ def driver_loaded(host) -> str:
     return version.content_string
 
 
+@pytest.fixture(scope="module")
+def driver_loaded_or_none(host) -> str | None:
+    """The loaded driver's version line, or None: for checks that hold either way, and more when loaded."""
+    version = host.file("/proc/driver/nvidia/version")
+    return version.content_string if version.exists else None
+
+
 def _policy(host, package: str) -> tuple[str, str]:
     """(installed, candidate) versions as apt, with the pins in force, sees them."""
     out = host.check_output(f"apt-cache policy {package}")
@@ -105,6 +114,49 @@ def test_driver_pin_and_unattended_upgrades_guard(host, expected):
     # apt itself must read the blacklist, not just find a file.
     dump = host.check_output("apt-config dump Unattended-Upgrade::Package-Blacklist")
     assert "nvidia-" in dump
+
+
+def test_headers_of_future_kernels_come_with_them(host):
+    # A headers metapackage (no kernel version in its name) pulls each new kernel's headers,
+    # so DKMS builds the module before the host boots that kernel.
+    listed = host.check_output(
+        "dpkg-query --showformat='${db:Status-Status} ${Package}\\n' --show 'linux-headers-*' || true"
+    )
+    metapackages = [
+        line.split()[1]
+        for line in listed.splitlines()
+        if line.startswith("installed ") and not re.search(r"\d+\.\d+\.\d+", line)
+    ]
+    assert metapackages, f"no kernel headers metapackage is installed:\n{listed}"
+
+
+def test_persistenced_enabled_in_persistence_mode(host, driver_loaded_or_none):
+    service = host.service("nvidia-persistenced")
+    assert service.is_enabled
+    exec_start = host.check_output("systemctl show --property=ExecStart nvidia-persistenced")
+    assert "--no-persistence-mode" not in exec_start, exec_start
+    if driver_loaded_or_none:
+        assert service.is_running
+
+
+def test_fabric_manager_at_the_drivers_version_on_nvswitch_systems(host, expected, driver_loaded_or_none):
+    # NVSwitch chips on the PCI bus (NVIDIA, class 0x0680), or NVLink 5 switch-management ports.
+    nvswitch = host.run(
+        "grep -qs SW_MNG /sys/class/infiniband/*/device/vpd || "
+        "for d in /sys/bus/pci/devices/*; do grep -qx 0x10de $d/vendor && grep -q '^0x0680' $d/class "
+        "&& exit 0; done; exit 1"
+    )
+    wanted = expected["nvidia_driver_fabric_manager"]
+    if wanted == "skip" or (wanted == "auto" and nvswitch.rc != 0):
+        pytest.skip(f"no Fabric Manager expected here (nvidia_driver_fabric_manager: {wanted})")
+    package = host.package(expected["nvidia_driver_fabric_manager_package"])
+    driver = host.package(expected["nvidia_driver_packages"][0])
+    assert package.is_installed, f"{package.name} is missing on an NVSwitch system"
+    assert package.version == driver.version, "Fabric Manager starts only at exactly the driver's version"
+    service = host.service("nvidia-fabricmanager")
+    assert service.is_enabled
+    if driver_loaded_or_none:
+        assert service.is_running
 
 
 def test_open_kernel_module_of_the_branch(host, expected, driver_loaded):

@@ -106,15 +106,19 @@ def test_step_containers_carry_limit_labels_and_the_run_dir(images, tmp_path):
     pipeline.write_text("""
 steps:
   - name: inspect
-    command: [sh, -c, "cat /proc/self/cgroup > cgroup.txt; sleep 3; echo ok > done.txt"]
+    command: [sh, -c, "cat /proc/self/cgroup > cgroup.txt; cat $HF_TOKEN_PATH > token.txt; sleep 3;
+              echo ok > done.txt"]
     memory: 80MiB
     outputs: [done.txt]
 """)
+    token = tmp_path / "hf_token"
+    token.write_text("hf_eyrie_test_token\n")
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir),
          "--executor", "docker"],
-        cwd=REPO, env=_docker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=_docker_env(HF_TOKEN_PATH=str(token)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     found: list[str] = []
@@ -129,6 +133,18 @@ steps:
     assert runner.returncode == 0, output
     host = inspect["HostConfig"]
     assert host["Memory"] == host["MemorySwap"] == 80 * 2**20
+    # No capability, no privilege gain, a bound on tasks.
+    from pipeline.run.docker import step_pids_limit
+
+    assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
+    assert host["SecurityOpt"] == ["no-new-privileges:true"]
+    assert host["PidsLimit"] == step_pids_limit(len(os.sched_getaffinity(0)))
+    # The token file reaches the step as a read-only mount, never as a value in its environment.
+    assert {"Destination": str(token), "RW": False}.items() <= next(
+        m for m in inspect["Mounts"] if m["Destination"] == str(token)
+    ).items()
+    assert "hf_eyrie_test_token" not in json.dumps(inspect)
+    assert (run_dir / "inspect" / "token.txt").read_text() == "hf_eyrie_test_token\n"
     labels = inspect["Config"]["Labels"]
     assert labels["eyrie.step"] == "inspect" and labels["eyrie.attempt"] == "1" and labels["eyrie.run"]
     assert any(m["Destination"] == str(run_dir) for m in inspect["Mounts"])
@@ -151,12 +167,18 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
     for path in [runs, *runs.rglob("*")]:
         os.chown(path, IMAGE_UID, IMAGE_UID)  # the containers run as the image's user
     project = f"eyrie-test-{uuid.uuid4().hex[:8]}"
+    # A token file for the secret, readable by the images' user as the README says.
+    token = tmp_path / "hf_token"
+    token.write_text("hf_eyrie_compose_token\n")
+    os.chown(token, 0, IMAGE_UID)
+    token.chmod(0o640)
+    # As the README's commands run: nothing tells compose the socket's group.
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")},
+        **{k: v for k, v in os.environ.items() if not k.startswith("EYRIE_") and k != "DOCKER_GID"},
         "EYRIE_RUNS": str(runs),
         "EYRIE_RUN_NAME": "ci",
-        "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
         "COMPOSE_PROJECT_NAME": project,
+        "HF_TOKEN_FILE": str(token),
     }
     real = REPO / "pipeline" / "embedded" / "eagle3.yaml"  # what the pipeline service runs
     steps = [s["name"] for s in yaml.safe_load(real.read_text())["steps"]]
@@ -183,6 +205,19 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
         assert accepted["output_tokens_per_s"] > 0 and accepted["baseline_output_tokens_per_s"] > 0
         page = Path(eyrie("report", "--run-dir", str(run_dir), check=True).stdout.strip()).read_text()
         assert "accept length" in page
+        # The token is a file in the services, read by huggingface_hub, and in no `docker inspect`.
+        served = subprocess.run(
+            [*COMPOSE, "run", "--rm", "--no-deps", "-T", "sglang",
+             "python3 -c 'import huggingface_hub; print(huggingface_hub.get_token())'"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert served.stdout.strip() == "hf_eyrie_compose_token", served.stdout + served.stderr
+        containers = subprocess.run([*COMPOSE, "ps", "-aq"], cwd=REPO, env=env, capture_output=True,
+                                    text=True, check=True).stdout.split()  # fmt: skip
+        inspected = subprocess.run(
+            ["docker", "inspect", *containers], capture_output=True, text=True, check=True
+        )
+        assert len(containers) == 2 and "hf_eyrie_compose_token" not in inspected.stdout
     finally:
         subprocess.run([*COMPOSE, "down", "--volumes", "--remove-orphans"], cwd=REPO, env=env,
                        capture_output=True, timeout=120)  # fmt: skip

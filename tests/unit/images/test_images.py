@@ -112,3 +112,18 @@ def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
     # a setting from the shell reaches the file through compose
     shell = _compose_config("compose/compose.yaml", environ={"EYRIE_QUOTA": "500"})
     assert "500" in _pipeline_as_run_by(shell["pipeline"]).step("prep").command
+
+
+def test_compose_passes_the_token_as_a_file_and_sets_no_socket_group_by_hand():
+    compose = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())
+    assert compose["secrets"]["hf_token"]["file"] == "${HF_TOKEN_FILE:-/dev/null}"
+    for name, service in compose["services"].items():
+        assert "HF_TOKEN" not in service["environment"], f"{name}: a token value would show in docker inspect"
+        assert service["secrets"] == ["hf_token"]
+        assert service["environment"]["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+        assert service["cap_drop"] == ["ALL"] and service["security_opt"] == ["no-new-privileges:true"]
+    pipeline = compose["services"]["pipeline"]
+    # The socket's group is read when the container starts; only the identity change is allowed.
+    assert "group_add" not in pipeline and "DOCKER_GID" not in (REPO / "compose" / "compose.yaml").read_text()
+    assert pipeline["cap_add"] == ["SETUID", "SETGID"] and pipeline["pids_limit"] > 0
+    assert "stat -c %g /var/run/docker.sock" in pipeline["entrypoint"][2]

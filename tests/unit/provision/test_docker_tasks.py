@@ -79,3 +79,46 @@ def test_the_playbook_checks_before_the_first_role():
     assert {"name": "docker", "tasks_from": "preflight"}.items() <= includes[0].items()
     main = yaml.safe_load((ANSIBLE / "roles" / "docker" / "tasks" / "main.yml").read_text())
     assert main[0].get("ansible.builtin.import_tasks") == "preflight.yml"  # the role alone checks too
+
+
+def test_docker_version_with_the_distributions_docker_stops_before_anything_is_installed(tmp_path):
+    result = _preflight(tmp_path, UBUNTU_24, docker_source="distribution", docker_version="28.5.2")
+    assert result.returncode != 0
+    out = " ".join(result.stdout.split())
+    assert "localhost: docker_version 28.5.2 pins Docker" in out, out[-2000:]  # YAML doubles the quote
+    assert "(docker-ce), but docker_source is distribution. Set docker_source: docker" in out
+
+
+def test_a_docker_user_that_does_not_exist_stops_the_run_instead_of_being_created(tmp_path):
+    """users.yml as the role runs it; the user module is never reached, so nothing here changes."""
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "Users",
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "name": "Add the docker_users",
+                            "ansible.builtin.include_role": {"name": "docker", "tasks_from": "users"},
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    extra = {"ansible_python_interpreter": sys.executable, "docker_users": ["root", "eyrie-no-such-user"]}
+    result = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
+         str(playbook)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+             "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "ANSIBLE_NOCOLOR": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    out = " ".join(result.stdout.split())
+    missing = "docker_users: eyrie-no-such-user is not a user on localhost; create it first, or correct"
+    assert missing in out, out[-3000:]
+    assert "changed=0" in out, "nothing on this machine may change"

@@ -98,6 +98,30 @@ def test_an_inventory_anywhere_gets_the_site_variables_below_its_own(tmp_path, m
     }
 
 
+def _command(result) -> list[str]:
+    return json.loads((result.artifacts / "command").read_text())["command"]
+
+
+def test_a_run_uses_only_the_options_its_own_command_gives(tmp_path):
+    """Check mode, tags and extra variables of one run never reach the next (ansible-runner keeps
+    them in its private data dir's env/ and reads them back when a later run gives none)."""
+    # What an earlier eyrie left in its data dir: a plain run must not read it either.
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "cmdline").write_text("--check --diff")
+    (tmp_path / "env" / "extravars").write_text('{"cuda_toolkit_version": "13.9"}')
+    host = "root@eyrie-no-such-host.invalid"
+    first = provision(
+        host=host, data_dir=tmp_path, check=True, tags=["docker"], extravars={"docker_version": "28.5.2"}
+    )
+    assert {"--check", "--diff", "--tags", "docker"} <= set(_command(first)), _command(first)
+    plain = provision(host=host, data_dir=tmp_path)
+    command = _command(plain)
+    for option in ("--check", "--diff", "--tags", "-e", "--extra-vars"):
+        assert option not in command, command
+    assert not any("13.9" in arg or "docker_version" in arg for arg in command), command
+    assert first.artifacts != plain.artifacts  # each run keeps its own artifacts
+
+
 def test_a_site_file_that_is_not_a_mapping_stops_the_run(tmp_path, monkeypatch):
     site = tmp_path / "gpu_hosts.yml"
     site.write_text("- a list\n")
@@ -128,3 +152,18 @@ def test_verify_needs_a_target():
     )
     assert result.returncode == 2
     assert "give exactly one of --host NAME or --inventory FILE" in result.stderr
+
+
+def test_verify_of_an_unreachable_host_is_one_line_naming_it():
+    result = subprocess.run(
+        ["make", "--no-print-directory", "verify", "host=eyrie-no-such-host.invalid"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if line.startswith("eyrie verify:")]
+    assert said == [
+        "eyrie verify: eyrie-no-such-host.invalid: cannot be reached over SSH: ssh: Could not resolve "
+        "hostname eyrie-no-such-host.invalid: Name or service not known"
+    ], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "test session starts" not in result.stdout, "the suite must not run against it"
