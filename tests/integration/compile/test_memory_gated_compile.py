@@ -26,6 +26,7 @@ CUDA_HOME = Path("/usr/local/cuda-13.0")
 NVCC = CUDA_HOME / "bin" / "nvcc"
 FIXTURES = Path(__file__).parent / "fixtures"
 GiB = 2**30
+PKG = "flash-attn 2.8.3"
 LIMIT = int(2.5 * GiB)
 BIG = ["big_a.cu", "big_b.cu", "big_c.cu", "big_d.cu"]
 NVCC_FLAGS = "-std=c++17 -gencode arch=compute_120,code=sm_120 --threads 1"
@@ -51,7 +52,7 @@ def write_ninja(build_dir: Path, nvcc_command: str, sources: list[str]) -> None:
 
 
 def broker_for(tmp_path: Path, profile: Profile, budget: int = LIMIT) -> BuildBroker:
-    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", profile=profile, budget=budget,
+    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", package=PKG, profile=profile, budget=budget,
                        cpu_slots=4, run_dir=tmp_path / "run")  # fmt: skip
 
 
@@ -110,7 +111,8 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
     build = tmp_path / "build"
     build.mkdir()
     # A stale measurement: big_a.cu "needed" 0.55 GiB. Its limit (0.55 × 1.15) is too low.
-    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5)
+    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5,
+                         package=PKG)  # fmt: skip
     profile = Profile([stale], default_peak=LIMIT)
     with broker_for(tmp_path, profile) as broker:
         write_ninja(build, broker.env()["PYTORCH_NVCC"], ["big_a.cu", "small_a.cu"])
@@ -124,7 +126,7 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
     assert [r.verdict for r in rows][1:] == ["succeeded"]
     assert rows[1].limit_bytes > rows[0].limit_bytes
     # The build learned the real figure for the rest of the build (and the next one).
-    learned = profile.predict(JobKey("big_a.cu", ("120",), 1, "13.0"))
+    learned = profile.predict(JobKey("big_a.cu", ("120",), 1, "13.0", PKG))
     assert learned.peak_bytes > rows[0].limit_bytes
 
 
