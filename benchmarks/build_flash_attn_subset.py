@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, required=True)
     parser.add_argument("--files", default=",".join(DEFAULT_FILES))
     parser.add_argument("--budget", default="11.75GiB")
-    parser.add_argument("--max-jobs", default="2,1", help="fixed MAX_JOBS values, run in this order")
+    parser.add_argument("--max-jobs", default="2,1", help="fixed MAX_JOBS values in order (\"\": none)")
     parser.add_argument("--arch", default="120", help="FLASH_ATTN_CUDA_ARCHS, e.g. '100;120'")
     parser.add_argument("--threads", type=int, default=1, help="NVCC_THREADS")
     parser.add_argument("--python", default=sys.executable, help="a Python with a CUDA build of torch")
@@ -148,7 +148,7 @@ def main() -> None:
         results = [run_scheduler(budget, cpus, work, args.run_dir, archs, args.threads, **ninja_args)]
         results[-1]["load_after"] = _load()
         print(json.dumps(results[-1]), flush=True)
-        for max_jobs in [int(j) for j in args.max_jobs.split(",")]:
+        for max_jobs in [int(j) for j in args.max_jobs.split(",") if j]:
             results.append(run_fixed(max_jobs, budget, work, **ninja_args))
             results[-1]["load_after"] = _load()
             print(json.dumps(results[-1]), flush=True)

@@ -247,10 +247,12 @@ class BuildBroker:
                         running.cgroup.set_limit(rest)  # a job that outgrows its shape now is the one killed
                 except OSError:  # the job ended meanwhile, or its limit cannot go below its usage
                     continue
+                if job not in self._live:  # it ended while its memory was read
+                    continue
                 job.watch = None  # one shrink: from its peak down to its tail
-                self.ledger.reserve(attempt_id, rest, math.ceil(rest / self.profile.margin),
-                                    f"peak passed at {_gib(anon)} now: the rest of its shape needs "
-                                    f"{_gib(rest)} with the margin")  # fmt: skip
+                tail = math.ceil(rest / self.profile.margin)
+                reason = f"peak passed ({_gib(anon)} in use): the rest of its shape needs {_gib(tail)}"
+                self.ledger.reserve(attempt_id, rest, tail, f"{reason} × {self.profile.margin} margin")
                 self.scheduler.shrink(job, rest)
 
     def _run(self, job: Job, argv: list[str], request: dict, record: JobRecord):

@@ -391,8 +391,8 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
     for warning in check_budget(plan, profile, sources):
         log(f"note: {warning}")
     standard = cxx_standard(plan)
-    # ninja offers every nvcc job at once (a stand-in waiting costs ~10 MiB), so the broker
-    # chooses among all of them which to run, rather than among the next few in file order.
+    # ninja offers every nvcc job at once (a waiting stand-in holds ~4.5 MiB of anonymous memory,
+    # 73 of them ~330 MiB of the headroom), so the broker chooses among all of them which to run.
     lookahead = len(sources) + 1
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
