@@ -241,11 +241,14 @@ class BuildBroker:
                     confined = self.cgroup is not None
                     anon = running.cgroup.sample().anon if confined else tree_anon_bytes(running.pid)
                     rest = job.watch.rest(anon)
+                    if rest is not None and confined:
+                        # The limit counts page cache too, which the shape does not: never below usage.
+                        rest = max(rest, running.cgroup.usage())
                     if rest is None or rest >= job.reservation:
                         continue
                     if confined:
                         running.cgroup.set_limit(rest)  # a job that outgrows its shape now is the one killed
-                except OSError:  # the job ended meanwhile, or its limit cannot go below its usage
+                except (OSError, CgroupError):  # it ended meanwhile, or the kernel kept its limit: next time
                     continue
                 if job not in self._live:  # it ended while its memory was read
                     continue

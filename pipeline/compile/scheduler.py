@@ -38,6 +38,9 @@ PEAK_SEEN = 0.75
 """A job's memory at this fraction of its predicted peak or above is "at its peak". The
 measured shapes climb to 1.0 and fall to about 0.3 within one or two of their 20 points,
 so the level decides little; below 0.75 a ramp's last steps would count as a peak passed."""
+SETTLED_READINGS = 3
+"""Readings in a row (one a second) within the shape's tail before a reservation shrinks: a
+process freeing one buffer before it allocates the next dips for a moment, and rises again."""
 
 
 class BudgetTooSmall(RuntimeError):
@@ -62,8 +65,9 @@ class ShapeWatch:
     predicted peak as many times as the shape does (one hump, or one per arch when
     nvcc compiles the archs one after the other) and has fallen below it again;
     from then on it needs the largest fraction the shape still holds (its tail).
-    The reservation shrinks only while the live memory is at or below that tail:
-    a job running above its shape keeps what it reserved. Time plays no part, so
+    The reservation shrinks only once the live memory has stayed at or below that
+    tail for ``SETTLED_READINGS`` readings: a job running above its shape keeps
+    what it reserved. Time plays no part, so
     a job slowed by a busy host is judged by its memory alone.
     """
 
@@ -73,7 +77,7 @@ class ShapeWatch:
         last_high = max((i for i, v in enumerate(shape) if v >= PEAK_SEEN), default=len(shape))
         tail = shape[last_high + 1 :]
         self.tail = max(tail) if tail else None
-        self._seen, self._above = 0, False
+        self._seen, self._above, self._settled = 0, False, 0
 
     def rest(self, anon: int) -> int | None:
         """The reservation the job still needs, given its memory now; None while its peak may lie ahead."""
@@ -82,9 +86,11 @@ class ShapeWatch:
             self._seen += 1
         self._above = above
         if self.tail is None or self._seen < self._humps or above:
+            self._settled = 0
             return None
         tail_bytes = self.tail * self.peak
-        if anon > tail_bytes:
+        self._settled = self._settled + 1 if anon <= tail_bytes else 0
+        if self._settled < SETTLED_READINGS:
             return None
         return math.ceil(tail_bytes * self.margin)
 

@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from pipeline.compile.scheduler import RETRY_GROWTH, AdmissionScheduler, BudgetTooSmall, Job, ShapeWatch
+from pipeline.compile.scheduler import (
+    RETRY_GROWTH,
+    SETTLED_READINGS,
+    AdmissionScheduler,
+    BudgetTooSmall,
+    Job,
+    ShapeWatch,
+)
 
 GiB = 2**30
 
@@ -104,6 +111,7 @@ def test_shape_watch_releases_only_after_the_peak_and_within_the_shape() -> None
     assert watch.rest(6 * GiB) is None
     assert watch.rest(9 * GiB) is None  # at the peak
     assert watch.rest(5 * GiB) is None  # past it, but above what the shape says is left
+    assert watch.rest(2 * GiB) is None and watch.rest(2 * GiB) is None  # within it: settling
     assert watch.rest(2 * GiB) == 3 * GiB
 
 
@@ -111,7 +119,13 @@ def test_shape_watch_waits_for_every_hump_of_archs_compiled_one_after_the_other(
     watch = ShapeWatch(peak=10 * GiB, shape=[0.2, 1.0, 0.2, 0.9, 0.25], margin=1.15)
     assert [watch.rest(int(f * 10 * GiB)) for f in (0.2, 1.0, 0.2)] == [None, None, None]
     assert watch.rest(int(0.9 * 10 * GiB)) is None
-    assert watch.rest(int(0.2 * 10 * GiB)) == math.ceil(0.25 * 10 * GiB * 1.15)
+    assert [watch.rest(2 * GiB) for _ in range(SETTLED_READINGS)][-1] == math.ceil(0.25 * 10 * GiB * 1.15)
+
+
+def test_a_dip_below_the_tail_for_a_moment_is_not_a_settled_tail() -> None:
+    watch = ShapeWatch(peak=10 * GiB, shape=[0.2, 1.0, 0.3], margin=1.0)
+    readings = [9, 1, 6, 6, 2, 2, 2]  # GiB: peak, a one-reading dip, back above its shape, then settled
+    assert [watch.rest(r * GiB) for r in readings] == [None] * 6 + [3 * GiB]
 
 
 def test_a_job_whose_memory_never_reaches_its_predicted_peak_keeps_its_reservation() -> None:
