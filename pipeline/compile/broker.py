@@ -240,11 +240,12 @@ class BuildBroker:
                 try:
                     confined = self.cgroup is not None
                     anon = running.cgroup.sample().anon if confined else tree_anon_bytes(running.pid)
-                    rest = job.watch.rest(anon)
-                    if rest is not None and confined:
-                        # The limit counts page cache too, which the shape does not: never below usage.
-                        rest = max(rest, running.cgroup.usage())
-                    if rest is None or rest >= job.reservation:
+                    shape_rest = job.watch.rest(anon)
+                    if shape_rest is None:
+                        continue
+                    # The limit counts page cache too, which the shape does not: never below usage.
+                    rest = max(shape_rest, running.cgroup.usage()) if confined else shape_rest
+                    if rest >= job.reservation:
                         continue
                     if confined:
                         running.cgroup.set_limit(rest)  # a job that outgrows its shape now is the one killed
@@ -253,9 +254,12 @@ class BuildBroker:
                 if job not in self._live:  # it ended while its memory was read
                     continue
                 job.watch = None  # one shrink: from its peak down to its tail
-                tail = math.ceil(rest / self.profile.margin)
-                reason = f"peak passed ({_gib(anon)} in use): the rest of its shape needs {_gib(tail)}"
-                self.ledger.reserve(attempt_id, rest, tail, f"{reason} × {self.profile.margin} margin")
+                tail = math.ceil(shape_rest / self.profile.margin)
+                reason = (f"peak passed ({_gib(anon)} in use): the rest of its shape needs {_gib(tail)} "
+                          f"× {self.profile.margin} margin")  # fmt: skip
+                if rest > shape_rest:
+                    reason += f", held at its cgroup's usage {_gib(rest)} (page cache included)"
+                self.ledger.reserve(attempt_id, rest, tail, reason)
                 self.scheduler.shrink(job, rest)
 
     def _run(self, job: Job, argv: list[str], request: dict, record: JobRecord):
