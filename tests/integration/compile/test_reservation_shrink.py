@@ -70,7 +70,8 @@ def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, d
         lines = ["rule cc", f"  command = {broker.env()['PYTORCH_NVCC']} -c $in -o $out {FLAGS}"]
         lines += [f"build {tmp_path / name}.o: cc {src / name}" for name in sources]
         (tmp_path / "build.ninja").write_text("\n".join(lines) + "\n")
-        done = subprocess.run(["ninja", "-j", str(len(sources))], cwd=tmp_path, env={**os.environ, **broker.env()},
+        env = {**os.environ, **broker.env()}
+        done = subprocess.run(["ninja", "-j", str(len(sources))], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert broker.report().oom_kills == 0
@@ -81,8 +82,9 @@ def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, d
         ledger.close()
 
 
-def test_a_job_past_its_peak_gives_back_memory_and_the_next_one_starts_beside_it(tmp_path: Path,
-                                                                                watch_errors: list) -> None:  # fmt: skip
+def test_a_job_past_its_peak_gives_back_memory_and_the_next_one_starts_beside_it(
+    tmp_path: Path, watch_errors: list
+) -> None:
     # Each reserves 600 MiB × 1.15 = 690 MiB: two do not fit 1 GiB until one has passed its peak.
     rows, held = build(tmp_path, {"a.cu": PEAK_THEN_TAIL, "b.cu": PEAK_THEN_TAIL}, budget=1024 * MiB)
     assert watch_errors == []
