@@ -315,7 +315,7 @@ class BuildBroker:
         )  # fmt: skip
         with self._lock:
             record.verdicts.append(decision.verdict.value)
-            record.reservations.append(job.reservation)
+            record.reservations.append(launch.limit_bytes)  # what it was admitted with, before any shrink
             record.anon_peak = outcome.anon_peak_bytes
             record.wall_s = outcome.ended_at - outcome.started_at
             record.exit_code = outcome.exit_code

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.compile.broker import BuildBroker
+from pipeline.compile.broker import BuildBroker, BuildReport
 from pipeline.compile.profile import Profile, ProfileEntry
 from pipeline.run.ledger import Ledger
 
@@ -55,7 +55,7 @@ def watch_errors(monkeypatch: pytest.MonkeyPatch) -> list:
     return errors
 
 
-def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, dict]:
+def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, dict, BuildReport]:
     compiler = tmp_path / "stand_in_compiler"
     compiler.write_text(f"#!{sys.executable}\n{STAND_IN_COMPILER}")
     compiler.chmod(0o755)
@@ -74,10 +74,11 @@ def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, d
         done = subprocess.run(["ninja", "-j", str(len(sources))], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert broker.report().oom_kills == 0
+    report = broker.report()
+    assert report.oom_kills == 0
     ledger = Ledger(tmp_path / "run", create=False)
     try:
-        return ledger.attempts(), ledger.reservations()
+        return ledger.attempts(), ledger.reservations(), report
     finally:
         ledger.close()
 
@@ -86,8 +87,9 @@ def test_a_job_past_its_peak_gives_back_memory_and_the_next_one_starts_beside_it
     tmp_path: Path, watch_errors: list
 ) -> None:
     # Each reserves 600 MiB × 1.15 = 690 MiB: two do not fit 1 GiB until one has passed its peak.
-    rows, held = build(tmp_path, {"a.cu": PEAK_THEN_TAIL, "b.cu": PEAK_THEN_TAIL}, budget=1024 * MiB)
+    rows, held, report = build(tmp_path, {"a.cu": PEAK_THEN_TAIL, "b.cu": PEAK_THEN_TAIL}, budget=1024 * MiB)
     assert watch_errors == []
+    assert [j.reservations for j in report.jobs] == [[690 * MiB]] * 2  # as admitted, before the shrink
     first, second = sorted(rows, key=lambda r: r.started_at)
     assert second.started_at < first.ended_at, "the second job started while the first ran its tail"
     shrunk = held[first.id]
@@ -99,6 +101,6 @@ def test_a_job_past_its_peak_gives_back_memory_and_the_next_one_starts_beside_it
 
 def test_a_job_running_above_its_shape_keeps_its_reservation(tmp_path: Path, watch_errors: list) -> None:
     # Past its peak it still holds 400 MiB, far above the 90 MiB its shape says is left.
-    rows, held = build(tmp_path, {"a.cu": "600 4;400 6"}, budget=1024 * MiB)
+    rows, held, _ = build(tmp_path, {"a.cu": "600 4;400 6"}, budget=1024 * MiB)
     assert watch_errors == []
     assert [r["reserved_bytes"] for r in held[rows[0].id]] == [690 * MiB]
