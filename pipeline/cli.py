@@ -342,14 +342,20 @@ def build_flash_attn(
     version: Annotated[str, typer.Option(help="flash-attn release to fetch from PyPI (sdist).")] = "2.8.3",
     source: Annotated[Path | None, typer.Option(help="An unpacked flash-attn source tree.")] = None,
     archs: Annotated[str, typer.Option(help="'auto' (this host's GPUs) or e.g. '100;120'.")] = "auto",
-    budget: Annotated[str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size.")] = "auto",
-    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' or N.")] = "auto",
+    budget: Annotated[
+        str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size up to what this process has.")
+    ] = "auto",
+    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")] = (
+        "auto"
+    ),
     out: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(".eyrie/wheels"),
     run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
     python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
     cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
     headroom: Annotated[str, typer.Option(help="Kept out of an auto budget.")] = "2GiB",
-    cpus: Annotated[int | None, typer.Option(help="CPU slots (default: this process's CPUs).")] = None,
+    cpus: Annotated[
+        int | None, typer.Option(help="CPU slots (default: this process's CPUs; $MAX_JOBS caps the jobs).")
+    ] = None,
     profile: Annotated[
         list[Path] | None, typer.Option(help="Extra measured profile JSON (repeatable).")
     ] = None,

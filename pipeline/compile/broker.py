@@ -16,11 +16,16 @@ only says how many stand-ins wait at once — the scheduler's look-ahead.
 
 Every job's cgroup is a child of one build cgroup whose limit is the budget,
 so even a wrong prediction cannot take more than the budget from the host.
+Once a job's measured peak is behind it (``ShapeWatch``, checked every second),
+its cgroup limit is lowered to what its shape still needs and the scheduler
+admits waiting jobs into the difference; each job's reservation over time is
+in the ledger's ``reservations`` table.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socketserver
@@ -33,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.compile.profile import JobKey, Profile, parse_nvcc_argv
-from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job
-from pipeline.compile.unconfined import UnconfinedExecutor
+from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job, ShapeWatch
+from pipeline.compile.unconfined import UnconfinedExecutor, tree_anon_bytes
 from pipeline.memory import Cgroup, CgroupError, CgroupV2, read_meminfo, step_parent
 from pipeline.run.executor import Launch, Outcome
 from pipeline.run.host_sampler import HostSampler
@@ -44,6 +49,8 @@ from pipeline.run.verdict import Verdict, decide
 
 WRAPPER = Path(__file__).with_name("nvcc_wrapper.py")
 SOCKET_ENV = "EYRIE_BUILD_SOCKET"
+WATCH_S = 1.0
+"""How often running jobs' memory is read against their shapes (the ledger's timeline step)."""
 MEMORY_VERDICTS = frozenset({Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR})
 
 
@@ -76,10 +83,11 @@ class BuildReport:
 class BuildBroker:
     """Serves the nvcc stand-ins of one build on a Unix socket."""
 
-    def __init__(self, *, nvcc: str, nvcc_version: str, profile: Profile, budget: int,
+    def __init__(self, *, nvcc: str, nvcc_version: str, package: str, profile: Profile, budget: int,
                  cpu_slots: int, run_dir: Path, run_id: str | None = None,
                  cxx_standard: str | None = None) -> None:  # fmt: skip
         self.nvcc = nvcc
+        self.package = package
         self.cxx_standard = cxx_standard  # replaces a -std=c++17 the build asks for
         self.nvcc_version = nvcc_version
         self.profile = profile
@@ -96,6 +104,8 @@ class BuildBroker:
         self.cgroup: Cgroup | None = None
         self.confinement = ""
         self._running: set = set()
+        self._live: dict[Job, tuple[object, int]] = {}  # running job -> (its attempt, its ledger id)
+        self._stop_watch = threading.Event()
         self._server: socketserver.ThreadingUnixStreamServer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -130,9 +140,11 @@ class BuildBroker:
         self._server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="build-broker", daemon=True).start()
+        threading.Thread(target=self._watch, name="build-shapes", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_watch.set()
         for attempt in list(self._running):  # the build command ended (or was interrupted) first
             attempt.stop("cancel")
         deadline = time.monotonic() + 10
@@ -168,13 +180,13 @@ class BuildBroker:
             source = "nvcc-" + "-".join(Path(a).name for a in argv[:2])
         # The job's name in the ledger (and in its cgroup's name): the file it compiles.
         name = Path(source).name
-        key = JobKey(name, archs, threads, self.nvcc_version)
+        key = JobKey(name, archs, threads, self.nvcc_version, self.package)
         with self._lock:
             record = self.records.setdefault(name, JobRecord(name, key))
         if self.fatal:
             return {"exit": 1, "stdout": "", "stderr": f"eyrie build: not compiled: {self.fatal}\n"}
-        prediction = self.profile.predict(key)
-        job = Job(name, prediction.peak_bytes, slots=key.archs_in_flight, basis=prediction.basis, key=key)
+        job = Job(name, 0, slots=key.archs_in_flight, key=key)
+        self._predict(job)
         self.scheduler.submit(job)
         while True:
             job.admitted.wait()
@@ -204,14 +216,54 @@ class BuildBroker:
             if outcome.exit_code != 0 and self.fatal is None:
                 self.fatal = f"{name} failed first: {_first_error(output[1]) or decision.reason}"
                 self.scheduler.abort()
-            self.scheduler.release(job, self._repredict)
+            self.scheduler.release(job, self._predict)
             exit_code = outcome.exit_code if outcome.exit_code is not None else 128 + (outcome.signal or 0)
             return {"exit": exit_code, "stdout": output[0], "stderr": output[1]}
 
-    def _repredict(self, job: Job) -> int:
+    def _predict(self, job: Job) -> int:
+        """Set a first attempt's reservation, basis, wall time and shape from the profile's prediction."""
         prediction = self.profile.predict(job.key)
+        job.reservation, job.wall_s = prediction.peak_bytes, prediction.wall_s
+        job.expected = prediction.expected_bytes
         job.basis = prediction.basis
+        if prediction.peak_bytes > self.budget:
+            left = self.budget / prediction.expected_bytes if prediction.expected_bytes else None
+            job.basis += (f"; cut to the budget {_gib(self.budget)}"
+                          + (f", {left:.2f}× the expected peak" if left else ""))  # fmt: skip
+        job.watch = (ShapeWatch(prediction.expected_bytes, prediction.shape, self.profile.margin)
+                     if prediction.expected_bytes and prediction.shape else None)  # fmt: skip
         return prediction.peak_bytes
+
+    def _watch(self) -> None:
+        """Every second: shrink the reservation of each running job whose peak is behind it."""
+        while not self._stop_watch.wait(WATCH_S):
+            for job, (running, attempt_id) in list(self._live.items()):
+                if job.watch is None:
+                    continue
+                try:
+                    confined = self.cgroup is not None
+                    anon = running.cgroup.sample().anon if confined else tree_anon_bytes(running.pid)
+                    shape_rest = job.watch.rest(anon)
+                    if shape_rest is None:
+                        continue
+                    # The limit counts page cache too, which the shape does not: never below usage.
+                    rest = max(shape_rest, running.cgroup.usage()) if confined else shape_rest
+                    if rest >= job.reservation:
+                        continue
+                    if confined:
+                        running.cgroup.set_limit(rest)  # a job that outgrows its shape now is the one killed
+                except (OSError, CgroupError):  # it ended meanwhile, or the kernel kept its limit: next time
+                    continue
+                if job not in self._live:  # it ended while its memory was read
+                    continue
+                job.watch = None  # one shrink: from its peak down to its tail
+                tail = math.ceil(shape_rest / self.profile.margin)
+                reason = (f"peak passed ({_gib(anon)} in use): the rest of its shape needs {_gib(tail)} "
+                          f"× {self.profile.margin} margin")  # fmt: skip
+                if rest > shape_rest:
+                    reason += f", held at its cgroup's usage {_gib(rest)} (page cache included)"
+                self.ledger.reserve(attempt_id, rest, tail, reason)
+                self.scheduler.shrink(job, rest)
 
     def _run(self, job: Job, argv: list[str], request: dict, record: JobRecord):
         attempt = self.ledger.next_attempt_number(job.name)
@@ -242,9 +294,12 @@ class BuildBroker:
             raise
         self._running.add(running)
         self.ledger.attempt_started(attempt_id, running.pid, running.where)
+        self.ledger.reserve(attempt_id, job.reservation, job.expected, job.basis)
+        self._live[job] = (running, attempt_id)
         try:
             outcome: Outcome = running.wait()
         finally:
+            self._live.pop(job, None)
             self._running.discard(running)
             shutil.rmtree(scratch, ignore_errors=True)
         output_file = _output_of(argv, Path(request["cwd"]))
@@ -263,7 +318,7 @@ class BuildBroker:
         )  # fmt: skip
         with self._lock:
             record.verdicts.append(decision.verdict.value)
-            record.reservations.append(job.reservation)
+            record.reservations.append(launch.limit_bytes)  # what it was admitted with, before any shrink
             record.anon_peak = outcome.anon_peak_bytes
             record.wall_s = outcome.ended_at - outcome.started_at
             record.exit_code = outcome.exit_code
@@ -290,6 +345,10 @@ def _first_error(stderr: str) -> str | None:
         if "error" in line.lower():
             return line.strip()[:300]
     return None
+
+
+def _gib(num: int) -> str:
+    return f"{num / 2**30:.2f} GiB"
 
 
 def _read(path: Path) -> str:

@@ -14,6 +14,7 @@ from pipeline.compile.flash_attn import (
     Plan,
     auto_threads,
     cached_wheel,
+    environment_settings,
     fetch_sdist,
     load_profile,
     parse_archs,
@@ -31,7 +32,9 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
     console, err = Console(), Console(stderr=True)
     try:
         arch_set = parse_archs(archs)
-        budget_bytes, basis = resolve_budget(budget, size_option("--headroom", headroom))
+        budget_bytes, basis, notes = resolve_budget(budget, size_option("--headroom", headroom))
+        threads, max_jobs, from_environment = environment_settings(os.environ, threads)
+        notes += from_environment
         cpu_slots = cpus or len(os.sched_getaffinity(0))
         if threads == "auto":
             nvcc_threads = auto_threads(arch_set, budget_bytes, cpu_slots, DEFAULT_JOB_PEAK_PER_ARCH)
@@ -39,6 +42,10 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
             nvcc_threads = int(threads)
         else:
             raise BuildError(f"--threads {threads!r}: write auto or a positive number")
+        if max_jobs is not None:  # a job takes one CPU slot per arch nvcc compiles at once
+            cpu_slots = min(cpu_slots, max_jobs * min(nvcc_threads, len(arch_set)))
+        for note in notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
         # Probed after the options are checked: it runs nvcc and imports torch (seconds).
         tools = toolchain(python or sys.executable, cuda_home)
         src = source.resolve() if source else fetch_sdist(version, out / "src", tools.python)

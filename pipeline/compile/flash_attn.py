@@ -11,7 +11,6 @@ through the build broker, which admits it by its measured peak.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.compile.broker import BuildBroker, BuildReport
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
-from pipeline.memory import memory_budget, parse_size
+from pipeline.memory import Budget, memory_budget, parse_size
 from pipeline.run.manifest import atomic_path
 
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
@@ -41,6 +41,22 @@ DEFAULT_JOB_PEAK_PER_ARCH = 8 * 2**30
 
 class BuildError(RuntimeError):
     """The build cannot go on; the message says what, where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class NvccRelease:
+    release: str
+    """``major.minor``: what profiles are keyed by."""
+    full: str
+    """``major.minor.patch`` as ``nvcc --version`` prints it (``V13.1.80``), for notes and logs."""
+
+
+def nvcc_release(nvcc: Path) -> NvccRelease:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+    release = re.search(r"release (\d+\.\d+)", out)
+    full = re.search(r"\bV(\d+\.\d+\.\d+)", out)
+    short = release.group(1) if release else "unknown"
+    return NvccRelease(short, full.group(1) if full else short)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,11 @@ class Plan:
     budget_basis: str
     toolchain: Toolchain
     cpu_slots: int
+
+    @property
+    def package(self) -> str:
+        """What profiles key this build's jobs by (see ``JobKey.package``)."""
+        return f"flash-attn {self.version}"
 
     @property
     def cache_key(self) -> str:
@@ -127,8 +148,6 @@ def toolchain(python: str, cuda_home: str | None) -> Toolchain:
     nvcc = home / "bin" / "nvcc"
     if not nvcc.is_file():
         raise BuildError(f"no nvcc at {nvcc}: install a CUDA toolkit or pass --cuda-home (or CUDA_HOME)")
-    release = re.search(r"release (\d+\.\d+)", subprocess.run([str(nvcc), "--version"],
-                        capture_output=True, text=True, check=True).stdout)  # fmt: skip
     probe = subprocess.run(
         [python, "-c", "import json, sys, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
                        "'%d.%d' % sys.version_info[:2]]))"],
@@ -141,8 +160,7 @@ def toolchain(python: str, cuda_home: str | None) -> Toolchain:
             "pass --python of an environment with torch"
         )
     torch_version, torch_cuda, python_version = json.loads(probe.stdout)
-    nvcc_version = release.group(1) if release else "unknown"
-    return Toolchain(python, torch_version, torch_cuda, home, nvcc_version, python_version)
+    return Toolchain(python, torch_version, torch_cuda, home, nvcc_release(nvcc).release, python_version)
 
 
 def auto_threads(archs: tuple[str, ...], budget: int, cpus: int, per_arch_peak: int) -> int:
@@ -163,26 +181,73 @@ def size_option(option: str, text: str) -> int:
         raise BuildError(f"{option} {text!r} is not a size: write e.g. 512MiB, 64GiB or 2GB") from exc
 
 
-def resolve_budget(text: str, headroom: int) -> tuple[int, str]:
+def resolve_budget(text: str, headroom: int, has: Budget | None = None) -> tuple[int, str, list[str]]:
+    """The build's budget, where it comes from, and what to warn about.
+
+    An explicit ``--budget`` is checked against what this process really has (``has``:
+    the minimum of MemAvailable and every ancestor cgroup's headroom): above it, the
+    build cgroup's limit would be a promise the host cannot keep.
+    """
+    has = has or memory_budget()
+    available = f"{has.available / 2**30:.1f} GiB (bound by {has.binding})"
     if text != "auto":
         budget = size_option("--budget", text)
         if budget <= 0:
             raise BuildError(
                 f"--budget {text!r} leaves nothing to compile in: write auto or a size, e.g. 64GiB"
             )
-        return budget, "given with --budget"
-    budget = memory_budget()
-    available = budget.available - headroom
-    if available <= 0:
+        if budget > has.available:
+            raise BuildError(
+                f"--budget {text!r} is more than this process has: {available}; pass at most "
+                f"{max(0, has.available - headroom) / 2**30:.1f}GiB (or auto: what it has less "
+                f"{headroom / 2**30:.1f} GiB headroom), or free memory first"
+            )
+        warnings = []
+        if budget > has.available - headroom:
+            warnings.append(
+                f"--budget {text} leaves {(has.available - budget) / 2**30:.1f} GiB of the {available} "
+                f"this process has for setup.py, ninja, flash_api.cpp and the link (auto keeps "
+                f"{headroom / 2**30:.1f} GiB)"
+            )
+        return budget, "given with --budget", warnings
+    if has.available - headroom <= 0:
         raise BuildError(
-            f"this process has {budget.available / 2**30:.1f} GiB (bound by {budget.binding}), "
-            f"less than the {headroom / 2**30:.1f} GiB headroom: free memory or pass --budget"
+            f"this process has {available}, less than the {headroom / 2**30:.1f} GiB headroom: "
+            "free memory or pass --budget"
         )
-    return (
-        available,
-        f"{budget.available / 2**30:.1f} GiB available ({budget.binding})"
-        f" − {headroom / 2**30:.1f} GiB headroom",
-    )
+    return has.available - headroom, f"{available} − {headroom / 2**30:.1f} GiB headroom", []
+
+
+def environment_settings(env: Mapping[str, str], threads: str) -> tuple[str, int | None, list[str]]:
+    """What ``MAX_JOBS`` and ``NVCC_THREADS`` set by the user change: (--threads, jobs cap, notes).
+
+    flash-attn's setup.py reads both. ``NVCC_THREADS`` stands for ``--threads auto``
+    (an explicit ``--threads`` wins); ``MAX_JOBS`` caps how many nvcc jobs run at once,
+    each still admitted by its memory. Each note says which applied and how.
+    """
+    notes = []
+    nvcc_threads, max_jobs = _positive_variable(env, "NVCC_THREADS"), _positive_variable(env, "MAX_JOBS")
+    if nvcc_threads is not None:
+        if threads == "auto":
+            threads = str(nvcc_threads)
+            notes.append(f"NVCC_THREADS={nvcc_threads} (environment): nvcc --threads {nvcc_threads}; "
+                         "pass --threads to choose otherwise")  # fmt: skip
+        elif threads != str(nvcc_threads):
+            notes.append(f"--threads {threads} given: NVCC_THREADS={nvcc_threads} (environment) is not used")
+    if max_jobs is not None:
+        notes.append(f"MAX_JOBS={max_jobs} (environment): at most {max_jobs} nvcc jobs at once, each "
+                     "admitted by its predicted memory; setup.py's own MAX_JOBS is how many eyrie "
+                     "is offered at once")  # fmt: skip
+    return threads, max_jobs, notes
+
+
+def _positive_variable(env: Mapping[str, str], name: str) -> int | None:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) == 0:
+        raise BuildError(f"{name}={text!r} in the environment is not a positive number: fix or unset it")
+    return int(text)
 
 
 # -- sources --------------------------------------------------------------------------------
@@ -236,23 +301,38 @@ def load_profile(archs: tuple[str, ...], threads: int, extra: list[Path] | None 
         raise BuildError(f"{exc}: pass --profile a profile.json an eyrie build wrote in its run dir") from exc
 
 
-def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> None:
-    """Refuse a budget below the largest measured single job, with the numbers."""
-    worst, worst_file = 0, ""
+def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> list[str]:
+    """Refuse a budget below the largest expected single job, with the numbers.
+
+    Returns what the build should say about jobs whose prediction the budget cuts:
+    they run with less than the safety margin above their expected peak.
+    """
+    worst, worst_file, cut = 0, "", []
     for name in sources:
-        key = JobKey(name, plan.archs, plan.threads, plan.toolchain.nvcc_version)
-        prediction = profile.predict(key)
-        if prediction.basis.startswith("unmeasured"):
+        prediction = profile.predict(JobKey(name, plan.archs, plan.threads, plan.toolchain.nvcc_version,
+                                            plan.package))  # fmt: skip
+        expected = prediction.expected_bytes
+        if expected is None:  # the default guess: a job never measured says nothing yet
             continue
-        measured = math.ceil(prediction.peak_bytes / profile.margin)
-        if measured > worst:
-            worst, worst_file = measured, name
+        if expected > worst:
+            worst, worst_file = expected, name
+        if expected <= plan.budget < prediction.peak_bytes:
+            cut.append((plan.budget / expected, name, prediction.peak_bytes, expected))
     if worst > plan.budget:
         raise BuildError(
-            f"budget {plan.budget / 2**30:.2f} GiB is below the measured peak of one job: {worst_file} "
-            f"needs {worst / 2**30:.2f} GiB for sm {';'.join(plan.archs)} with --threads {plan.threads}; "
-            "raise --budget, lower --threads, or build fewer archs"
+            f"budget {_gib(plan.budget)} is below the expected peak of one job: {worst_file} "
+            f"needs {_gib(worst)} for sm {';'.join(plan.archs)} with --threads {plan.threads} "
+            f"(nvcc {plan.toolchain.nvcc_version}); raise --budget, lower --threads, or build fewer archs"
         )
+    if not cut:
+        return []
+    left, name, predicted, expected = min(cut)
+    return [
+        f"{len(cut)} job(s) predicted above the budget run with it as their limit, less than the "
+        f"{profile.margin}× safety margin: the tightest, {name}, predicted {_gib(predicted)} "
+        f"({_gib(expected)} expected), gets {_gib(plan.budget)}, {left:.2f}× its expected peak; "
+        "each runs alone, and one OOM-killed there fails the build, naming it"
+    ]
 
 
 def build_env(plan: Plan, broker_env: dict[str, str], lookahead: int) -> dict[str, str]:
@@ -308,13 +388,17 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
               log=print) -> tuple[Path, BuildReport]:  # fmt: skip
     """Compile and link the wheel; returns its path in the cache and the build's report."""
     sources = cuda_sources(plan.source)
-    check_budget(plan, profile, sources)
+    for warning in check_budget(plan, profile, sources):
+        log(f"note: {warning}")
     standard = cxx_standard(plan)
-    lookahead = min(len(sources) or 1, max(8, 4 * plan.cpu_slots))
+    # ninja offers every nvcc job at once (a waiting stand-in holds ~4.5 MiB of anonymous memory,
+    # 73 of them ~330 MiB of the headroom), so the broker chooses among all of them which to run.
+    lookahead = len(sources) + 1
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with BuildBroker(
-        nvcc=str(plan.toolchain.nvcc), nvcc_version=plan.toolchain.nvcc_version, profile=profile,
+        nvcc=str(plan.toolchain.nvcc), nvcc_version=plan.toolchain.nvcc_version, package=plan.package,
+        profile=profile,
         budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir, cxx_standard=standard,
     ) as broker, tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir:  # fmt: skip
         log(f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
@@ -361,6 +445,10 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
                      "peak_reserved": report.peak_reserved, "run_id": broker.run_id}  # fmt: skip
             (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
     return target_dir / wheels[0].name, report
+
+
+def _gib(num: int) -> str:
+    return f"{num / 2**30:.2f} GiB"
 
 
 def cached_wheel(out: Path, plan_key: str) -> Path | None:

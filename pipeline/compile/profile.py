@@ -1,20 +1,24 @@
 """Measured compile-job peaks, and the predictions the scheduler admits jobs by.
 
-A compile job is keyed by what decides its memory: the source file, the set of
-GPU architectures one nvcc process compiles, ``--threads`` and the nvcc
-version. Profiles are JSON files of measured entries (peak anonymous memory,
-wall time, a coarse memory-over-time shape); the ones measured for flash-attn
-ship in ``pipeline/compile/profiles/``.
+A compile job is keyed by what decides its memory: the package being built and
+its version (``flash-attn 2.8.3``), the source file, the set of GPU
+architectures one nvcc process compiles, ``--threads`` and the nvcc release.
+Profiles are JSON files of measured entries (peak anonymous memory, wall time,
+a coarse memory-over-time shape); the ones measured for flash-attn ship in
+``pipeline/compile/profiles/``.
 
 Prediction order for a job:
 1. an entry with exactly its key;
-2. an entry for the same file measured with another arch set or thread count,
-   scaled by the number of architectures nvcc compiles at once
-   (``min(threads, archs)``: ``--threads`` parallelises over gencode targets);
-3. for a file never measured, the largest figure measured so far in this build
-   for a job of the same configuration (the "correction from finished jobs"),
-   or, before any job has finished, the conservative default.
-Every prediction is then multiplied by a safety margin.
+2. an entry for the same file of the same package version, from the nearest
+   toolchain measured (its own nvcc first, else the nearest nvcc release), with
+   the arch set and thread count closest to the job's, scaled by the number of
+   architectures nvcc compiles at once (``min(threads, archs)``: ``--threads``
+   parallelises over gencode targets), and by what this build's finished jobs of
+   the same configuration showed against their own such estimates (their
+   largest ratio, never below 1: a derived figure is never lowered);
+3. for a file never measured in any toolchain, the conservative default, raised
+   to the largest peak this build has seen in the configuration if that is more.
+Every measured or derived figure is then multiplied by a safety margin.
 """
 
 from __future__ import annotations
@@ -41,13 +45,20 @@ class JobKey:
     threads: int
     nvcc: str
     """nvcc's ``major.minor`` release."""
+    package: str
+    """What the file belongs to, with its version (``flash-attn 2.8.3``): another version is another file."""
 
     @property
     def archs_in_flight(self) -> int:
         return max(1, min(self.threads, len(self.archs)))
 
-    def config(self) -> tuple[tuple[str, ...], int, str]:
-        return self.archs, self.threads, self.nvcc
+    @property
+    def waves(self) -> int:
+        """How many times nvcc compiles ``archs_in_flight`` archs one after the other."""
+        return math.ceil(len(self.archs) / self.archs_in_flight) if self.archs else 1
+
+    def config(self) -> tuple[str, tuple[str, ...], int, str]:
+        return self.package, self.archs, self.threads, self.nvcc
 
 
 @dataclass
@@ -58,6 +69,7 @@ class ProfileEntry:
     nvcc: str
     anon_peak_bytes: int
     wall_s: float
+    package: str
     peak_bytes: int | None = None
     shape: list[float] = field(default_factory=list)
     """Anonymous memory at 20 evenly spaced moments of the job, as fractions of its peak."""
@@ -65,15 +77,30 @@ class ProfileEntry:
 
     @property
     def key(self) -> JobKey:
-        return JobKey(self.source, tuple(self.archs), self.threads, self.nvcc)
+        return JobKey(self.source, tuple(self.archs), self.threads, self.nvcc, self.package)
 
 
 @dataclass(frozen=True)
 class Prediction:
     peak_bytes: int
+    """What the job reserves: the expected peak × the margin, or the default."""
     wall_s: float | None
     basis: str
     """Where the figure comes from, in words (for the ledger's limit reason and the log)."""
+    expected_bytes: int | None = None
+    """The peak expected from measurements (no margin); None for the default guess."""
+    shape: tuple[float, ...] = ()
+    """The expected memory over the job (fractions of ``expected_bytes``); empty when unknown."""
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    peak: int
+    wall_s: float
+    shape: tuple[float, ...]
+    basis: str
+    derived: bool
+    """From another toolchain, arch set or thread count (corrected by this build's ratios)."""
 
 
 _GENCODE = re.compile(r"(?:arch=compute_|code=sm_|code=compute_|sm_)(\d+[af]?)")
@@ -138,7 +165,9 @@ class Profile:
         self.default_peak = default_peak
         self.margin = margin
         self._entries: dict[JobKey, ProfileEntry] = {}
+        self._by_file: dict[tuple[str, str], dict[JobKey, ProfileEntry]] = {}  # (package, source) -> entries
         self._learned_max: dict[tuple, int] = {}
+        self._ratios: dict[tuple, float] = {}
         self._lock = threading.RLock()  # re-entrant: observe adds while holding it
         for entry in entries or []:
             self.add(entry)
@@ -160,43 +189,73 @@ class Profile:
             if old is not None:
                 entry.samples = old.samples + 1
             self._entries[entry.key] = entry
+            self._by_file.setdefault((entry.package, entry.source), {})[entry.key] = entry
 
     def observe(self, key: JobKey, anon_peak: int, wall_s: float,
                 timeline: list[tuple[float, int, int]] | None = None) -> None:  # fmt: skip
         """A finished job's real figures: they correct predictions for the rest of the build."""
         config = key.config()
         entry = ProfileEntry(key.source, list(key.archs), key.threads, key.nvcc, anon_peak,
-                             round(wall_s, 2), shape=shape_of(timeline or []))  # fmt: skip
+                             round(wall_s, 2), key.package, shape=shape_of(timeline or []))  # fmt: skip
         with self._lock:
+            estimate = self._estimate(key)
+            if estimate is not None and estimate.derived:
+                self._ratios[config] = max(self._ratios.get(config, 0.0), anon_peak / estimate.peak)
             self._learned_max[config] = max(self._learned_max.get(config, 0), anon_peak)
             self.add(entry)
 
+    def ratio(self, key: JobKey) -> float:
+        """What derived estimates in this configuration are multiplied by: finished jobs' largest ratio."""
+        with self._lock:
+            return max(1.0, self._ratios.get(key.config(), 1.0))
+
     def predict(self, key: JobKey) -> Prediction:
+        with self._lock:
+            estimate = self._estimate(key)
+            if estimate is None:
+                learned = self._learned_max.get(key.config(), 0)
+                if learned * self.margin > self.default_peak:
+                    return Prediction(math.ceil(learned * self.margin), None,
+                                      f"unmeasured file: largest peak of this build {_gib(learned)} "
+                                      f"× {self.margin}, above the default")  # fmt: skip
+                default = _gib(self.default_peak)
+                return Prediction(self.default_peak, None, f"unmeasured file: default {default}")
+            peak, basis = estimate.peak, estimate.basis
+            ratio = self.ratio(key)
+            if estimate.derived and ratio > 1.0:
+                peak = math.ceil(peak * ratio)
+                basis += f" × {ratio:.2f} (this build's finished jobs against such estimates)"
+        return Prediction(math.ceil(peak * self.margin), estimate.wall_s, f"{basis} × {self.margin} margin",
+                          peak, estimate.shape)  # fmt: skip
+
+    def _estimate(self, key: JobKey) -> _Estimate | None:
+        """The job's expected peak from measurements alone (no margin, no ratio); None if none fits."""
         exact = self._entries.get(key)
         if exact is not None:
-            return Prediction(
-                math.ceil(exact.anon_peak_bytes * self.margin), exact.wall_s,
-                f"measured {_gib(exact.anon_peak_bytes)} × {self.margin} margin",
-            )  # fmt: skip
-        same_file = [e for e in self.entries() if e.source == key.source and e.nvcc == key.nvcc]
-        if same_file:
-            base = max(same_file, key=lambda e: e.anon_peak_bytes)
-            factor = key.archs_in_flight / base.key.archs_in_flight
-            waves = math.ceil(len(key.archs) / key.archs_in_flight)
-            base_waves = math.ceil(len(base.archs) / base.key.archs_in_flight)
-            return Prediction(
-                math.ceil(base.anon_peak_bytes * factor * self.margin),
-                base.wall_s * waves / base_waves,
-                f"measured {_gib(base.anon_peak_bytes)} for sm {';'.join(base.archs)} threads "
-                f"{base.threads}, × {factor:g} archs in flight × {self.margin} margin",
-            )  # fmt: skip
-        learned = self._learned_max.get(key.config())
-        if learned is not None:
-            return Prediction(
-                math.ceil(learned * self.margin), None,
-                f"unmeasured file: largest peak finished so far {_gib(learned)} × {self.margin}",
-            )  # fmt: skip
-        return Prediction(self.default_peak, None, f"unmeasured file: default {_gib(self.default_peak)}")
+            return _Estimate(exact.anon_peak_bytes, exact.wall_s, tuple(exact.shape),
+                             f"measured {_gib(exact.anon_peak_bytes)}", derived=False)  # fmt: skip
+        same_file = list(self._by_file.get((key.package, key.source), {}).values())
+        if not same_file:
+            return None
+        nvcc = min({e.nvcc for e in same_file}, key=lambda v: (_release_distance(v, key.nvcc), v))
+        candidates = [e for e in same_file if e.nvcc == nvcc]
+        # The nearest configuration: the same archs in flight first, then the larger peak.
+        base = min(candidates, key=lambda e: (abs(e.key.archs_in_flight - key.archs_in_flight),
+                                              -e.anon_peak_bytes))  # fmt: skip
+        factor = key.archs_in_flight / base.key.archs_in_flight
+        base_waves = base.key.waves
+        if base_waves == 1:
+            shape = tuple(base.shape) * key.waves
+        else:
+            shape = tuple(base.shape) if base_waves == key.waves else ()
+        where = [f"nvcc {base.nvcc}"] if base.nvcc != key.nvcc else []
+        if base.key.archs != key.archs or base.threads != key.threads:
+            where.append(f"sm {';'.join(base.archs)} threads {base.threads}")
+        basis = f"measured {_gib(base.anon_peak_bytes)} for {', '.join(where)}"
+        if factor != 1:
+            basis += f", × {factor:g} archs in flight"
+        return _Estimate(math.ceil(base.anon_peak_bytes * factor), base.wall_s * key.waves / base_waves,
+                         shape, basis, derived=True)  # fmt: skip
 
     # -- files --------------------------------------------------------------------------
     @classmethod
@@ -219,9 +278,20 @@ class Profile:
         from pipeline.run.manifest import atomic_write_text
 
         entries = [asdict(e) for e in self.entries() if only_nvcc in (None, e.nvcc)]
-        entries.sort(key=lambda e: (e["nvcc"], e["archs"], e["threads"], e["source"]))
+        entries.sort(key=lambda e: (e["package"], e["nvcc"], e["archs"], e["threads"], e["source"]))
         lines = ",\n".join("  " + json.dumps(e) for e in entries)  # one measured job a line
         atomic_write_text(path, f'{{\n "note": {json.dumps(note)},\n "entries": [\n{lines}\n ]\n}}\n')
+
+
+def _release_distance(release: str, other: str) -> tuple[int, int]:
+    """How far apart two ``major.minor`` releases are: majors first, then minors."""
+    a, b = _release(release), _release(other)
+    return abs(a[0] - b[0]), abs(a[1] - b[1])
+
+
+def _release(text: str) -> tuple[int, int]:
+    parts = [int(p) for p in re.findall(r"\d+", text)[:2]] + [0, 0]
+    return parts[0], parts[1]
 
 
 def _gib(num: int) -> str:

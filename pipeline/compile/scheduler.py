@@ -9,8 +9,11 @@ Rules:
 - A job reserves its predicted peak. It is admitted when the reservations of the
   running jobs plus its own fit the budget and a CPU slot is free (a job takes
   as many slots as nvcc compiles architectures at once).
-- Waiting jobs are tried largest reservation first (first-fit decreasing): big
-  jobs start early instead of ending the build alone, small ones fill the gaps.
+- Waiting jobs are tried largest memory × time first (predicted peak × predicted
+  wall time; a job never measured counts as the longest): the jobs that weigh
+  most on the build start early instead of ending it alone, small ones fill the gaps.
+- Once a running job's peak is behind it, its reservation shrinks to what its
+  measured shape still needs (``ShapeWatch``), and waiting jobs take the rest.
 - When nothing runs, the head job is admitted whatever it reserves, clipped to
   the budget: a build always makes progress.
 - A job OOM-killed under its own limit is re-queued reserving its observed peak
@@ -21,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +34,65 @@ RETRY_GROWTH = 2.0
 bounds the retries at log2(budget / first guess) while rarely over-reserving by more than 2×."""
 
 
+PEAK_SEEN = 0.75
+"""A job's memory at this fraction of its predicted peak or above is "at its peak". The
+measured shapes climb to 1.0 and fall to about 0.3 within one or two of their 20 points,
+so the level decides little; below 0.75 a ramp's last steps would count as a peak passed."""
+SETTLED_READINGS = 3
+"""Readings in a row (one a second) within the shape's tail before a reservation shrinks: a
+process freeing one buffer before it allocates the next dips for a moment, and rises again."""
+
+
 class BudgetTooSmall(RuntimeError):
     """A job needs more memory than the whole budget; the message gives the numbers."""
+
+
+def _humps(values: list[float] | tuple[float, ...], level: float) -> int:
+    """How many times the values rise to ``level`` or above."""
+    count, above = 0, False
+    for value in values:
+        if value >= level and not above:
+            count += 1
+        above = value >= level
+    return count
+
+
+class ShapeWatch:
+    """Follows a running job's memory against its measured shape: has its peak passed?
+
+    A shape is the job's anonymous memory at 20 moments as fractions of its peak.
+    Its peak is behind it once its live memory has risen to ``PEAK_SEEN`` × the
+    predicted peak as many times as the shape does (one hump, or one per arch when
+    nvcc compiles the archs one after the other) and has fallen below it again;
+    from then on it needs the largest fraction the shape still holds (its tail).
+    The reservation shrinks only once the live memory has stayed at or below that
+    tail for ``SETTLED_READINGS`` readings: a job running above its shape keeps
+    what it reserved. Time plays no part, so
+    a job slowed by a busy host is judged by its memory alone.
+    """
+
+    def __init__(self, peak: int, shape: list[float] | tuple[float, ...], margin: float) -> None:
+        self.peak, self.margin = peak, margin
+        self._humps = _humps(shape, PEAK_SEEN)
+        last_high = max((i for i, v in enumerate(shape) if v >= PEAK_SEEN), default=len(shape))
+        tail = shape[last_high + 1 :]
+        self.tail = max(tail) if tail else None
+        self._seen, self._above, self._settled = 0, False, 0
+
+    def rest(self, anon: int) -> int | None:
+        """The reservation the job still needs, given its memory now; None while its peak may lie ahead."""
+        above = anon >= PEAK_SEEN * self.peak
+        if above and not self._above:
+            self._seen += 1
+        self._above = above
+        if self.tail is None or self._seen < self._humps or above:
+            self._settled = 0
+            return None
+        tail_bytes = self.tail * self.peak
+        self._settled = self._settled + 1 if anon <= tail_bytes else 0
+        if self._settled < SETTLED_READINGS:
+            return None
+        return math.ceil(tail_bytes * self.margin)
 
 
 @dataclass(eq=False)
@@ -43,8 +104,19 @@ class Job:
     attempt: int = 1
     key: object = None
     """What the caller predicts this job's peak from (see ``release``)."""
+    wall_s: float | None = None
+    """Predicted wall time; None for a job never measured (ordered as the longest)."""
+    expected: int | None = None
+    """The peak expected from measurements, without the margin; None for a default guess."""
+    watch: ShapeWatch | None = None
+    """Set by the caller when the job's shape is known: its reservation may then shrink."""
     seq: int = 0
     admitted: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def weight(self) -> float:
+        """What the job weighs on the build: memory × time (a job never measured: the longest)."""
+        return self.reservation * (self.wall_s if self.wall_s is not None else math.inf)
 
 
 class AdmissionScheduler:
@@ -89,6 +161,14 @@ class AdmissionScheduler:
                         waiting.reservation = min(self.budget, repredict(waiting))
             return self._dispatch()
 
+    def shrink(self, job: Job, reservation: int) -> list[Job]:
+        """A running job needs less from now on; returns the jobs admitted in the memory it gave back."""
+        with self._lock:
+            if job not in self.running or reservation >= job.reservation:
+                return []
+            job.reservation = reservation
+            return self._dispatch()
+
     def requeue_after_oom(self, job: Job, observed_peak: int) -> list[Job]:
         """A job was OOM-killed under its reservation: re-queue it with the observed figure, grown."""
         with self._lock:
@@ -102,6 +182,7 @@ class AdmissionScheduler:
             job.reservation = min(self.budget, int(max(observed_peak, job.reservation) * RETRY_GROWTH))
             job.basis = f"OOM-killed at {_gib(observed_peak)}: retry reserving {_gib(job.reservation)}"
             job.attempt += 1
+            job.watch, job.expected = None, None  # under-predicted once: the retry keeps what it reserves
             job.admitted.clear()
             job.seq = next(self._seq)
             self.waiting.append(job)
@@ -117,7 +198,7 @@ class AdmissionScheduler:
 
     def _dispatch(self) -> list[Job]:
         admitted: list[Job] = []
-        for job in sorted(self.waiting, key=lambda j: (-j.reservation, j.seq)):
+        for job in sorted(self.waiting, key=lambda j: (-j.weight, -j.reservation, j.seq)):
             fits_memory = self.reserved + job.reservation <= self.budget
             fits_cpu = self.slots_used + job.slots <= self.cpu_slots
             if (fits_memory and fits_cpu) or not self.running:

@@ -7,13 +7,19 @@ at ``1/duration`` per second, slowed evenly when the running jobs want more
 threads than there are cores. When the memory of the running jobs exceeds the
 machine's, the kernel OOM-kills one and the build fails (ninja stops at the
 first failed job) — for the scheduler too, which is what its predictions must avoid.
+
+The scheduler sees what the broker sees: each job's predicted peak, wall time
+and shape, and each running job's memory every ``dt`` (the broker samples once a
+second), from which ``ShapeWatch`` shrinks reservations once peaks have passed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from pipeline.compile.scheduler import AdmissionScheduler, Job
+from pipeline.compile.profile import SAFETY_MARGIN
+from pipeline.compile.scheduler import AdmissionScheduler, Job, ShapeWatch
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class SimJob:
     shape: tuple[float, ...] = (1.0,)
     threads: int = 1
     predicted: int = 0
-    """What the scheduler reserves for it (0: its peak)."""
+    """The peak the scheduler expects (0: the true one); it reserves that × the margin."""
 
     def memory_at(self, progress: float) -> int:
         index = min(len(self.shape) - 1, int(progress * len(self.shape)))
@@ -39,6 +45,7 @@ class SimResult:
     oom_at: float | None = None
     done_before_oom: int = 0
     peak_memory: int = 0
+    peak_reserved: int = 0
     max_parallel: int = 0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     """(t, memory in use, jobs running) every ``sample_every`` seconds."""
@@ -53,6 +60,9 @@ class _Clock:
         self.t = 0.0
         self.done = 0
 
+    def in_use(self, name: str) -> int:
+        return self.by_name[name].memory_at(self.running[name])
+
     def step(self) -> list[str]:
         """Advance dt; returns the jobs that finished. Sets oom_at if memory overflowed."""
         demand = sum(self.by_name[n].threads for n in self.running)
@@ -66,7 +76,7 @@ class _Clock:
                 del self.running[name]
         self.t += self.dt
         self.done += len(finished)
-        in_use = sum(self.by_name[n].memory_at(p) for n, p in self.running.items())
+        in_use = sum(self.in_use(n) for n in self.running)
         r = self.result
         r.peak_memory = max(r.peak_memory, in_use)
         r.max_parallel = max(r.max_parallel, len(self.running))
@@ -92,12 +102,17 @@ def simulate_fixed(jobs: list[SimJob], max_jobs: int, *, cores: int, memory: int
     return clock.result
 
 
-def simulate_scheduler(jobs: list[SimJob], *, budget: int, cores: int, memory: int,
-                       dt: float = 1.0) -> SimResult:  # fmt: skip
+def simulate_scheduler(jobs: list[SimJob], *, budget: int, cores: int, memory: int, dt: float = 1.0,
+                       margin: float = SAFETY_MARGIN, shrink: bool = True) -> SimResult:  # fmt: skip
     """The AdmissionScheduler (the one the build broker uses) with every job waiting from t=0."""
     clock = _Clock(jobs, cores, memory, dt, "scheduler")
     scheduler = AdmissionScheduler(budget, cores)
-    handles = {j.name: Job(j.name, j.predicted or j.peak, slots=j.threads) for j in jobs}
+    handles = {}
+    for j in jobs:
+        predicted = j.predicted or j.peak
+        watch = ShapeWatch(predicted, j.shape, margin) if shrink else None
+        handles[j.name] = Job(j.name, math.ceil(predicted * margin), slots=j.threads, wall_s=j.duration,
+                              watch=watch)  # fmt: skip
     for job in jobs:
         for admitted in scheduler.submit(handles[job.name]):
             clock.running[admitted.name] = 0.0
@@ -105,6 +120,14 @@ def simulate_scheduler(jobs: list[SimJob], *, budget: int, cores: int, memory: i
         for name in clock.step():
             for admitted in scheduler.release(handles[name]):
                 clock.running[admitted.name] = 0.0
+        for name in list(clock.running):
+            job = handles[name]
+            rest = job.watch.rest(clock.in_use(name)) if job.watch else None
+            if rest is not None:
+                job.watch = None  # one shrink, as the broker does
+                for admitted in scheduler.shrink(job, rest):
+                    clock.running[admitted.name] = 0.0
+        clock.result.peak_reserved = max(clock.result.peak_reserved, scheduler.reserved)
         if clock.result.oom_at is not None:
             return clock.result
     clock.result.makespan = clock.t

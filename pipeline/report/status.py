@@ -143,12 +143,18 @@ def status_command(run_dir: Path | None, runs: Path, json_output: bool, follow: 
 def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     attempts = ledger.attempts()
     latest = ledger.latest_run()
+    reservations = ledger.reservations()
     if json_output:
-        print(json.dumps([a.as_json() for a in attempts], indent=2))
+        rows = [a.as_json() | ({"reservations": reservations[a.id]} if a.id in reservations else {})
+                for a in attempts]  # fmt: skip
+        print(json.dumps(rows, indent=2))
         return 0
     title = "eyrie status"
     if latest:
         title += f" — run {latest['run_id']} {latest['state']} ({escape(latest['pipeline'])})"
+    if reservations:  # a build: its compile jobs, each reserved by a prediction
+        console.print(_build_table(title, attempts, reservations))
+        return 0
     table = Table(title=title, title_justify="left")
     for column, justify in [
         ("step", "left"), ("attempt", "right"), ("verdict", "left"), ("exit", "right"),
@@ -185,6 +191,29 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
                               f"[dim]{escape(state['detail'])}[/]")  # fmt: skip
     console.print(table)
     return 0
+
+
+def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int, list[dict]]) -> Table:
+    """Each compile job's predicted peak beside its measured one, and what it held of the budget."""
+    table = Table(title=title, title_justify="left")
+    for column, justify in [
+        ("job", "left"), ("attempt", "right"), ("verdict", "left"), ("predicted peak", "right"),
+        ("measured peak", "right"), ("measured / predicted", "right"), ("reserved", "right"),
+        ("duration", "right"), ("prediction", "left"),
+    ]:  # fmt: skip
+        table.add_column(column, justify=justify, no_wrap=column != "prediction")
+    for row in attempts:
+        held = reservations.get(row.id, [])
+        expected = held[0]["expected_bytes"] if held else None
+        ratio = f"{row.anon_peak_bytes / expected:.2f}" if expected and row.anon_peak_bytes else "-"
+        reserved = " → ".join(format_size(r["reserved_bytes"]) for r in held) or format_size(row.limit_bytes)
+        style = VERDICT_STYLE.get(row.verdict or "", "cyan")
+        table.add_row(
+            row.step, str(row.attempt), f"[{style}]{row.verdict or f'running (pid {row.pid})'}[/]",
+            format_size(expected) if expected else "default", format_size(row.anon_peak_bytes), ratio,
+            reserved, format_duration(row.wall_s), escape(row.limit_reason or ""),
+        )  # fmt: skip
+    return table
 
 
 def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list[str]:

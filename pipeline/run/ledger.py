@@ -88,6 +88,13 @@ CREATE TABLE IF NOT EXISTS host_samples (
     available INTEGER NOT NULL       -- what the runner really has: MemAvailable and its cgroups' headroom
 );
 CREATE INDEX IF NOT EXISTS host_samples_by_run ON host_samples(run_id, t);
+CREATE TABLE IF NOT EXISTS reservations (  -- compile jobs: what a build holds for an attempt, over time
+    attempt_id INTEGER NOT NULL REFERENCES attempts(id),
+    t REAL NOT NULL,                 -- from this moment (unix time) until the next row or the attempt's end
+    reserved_bytes INTEGER NOT NULL, -- held in the build's budget (the attempt's cgroup limit, if it has one)
+    expected_bytes INTEGER,          -- the peak, then the rest, expected from measurements; NULL: a default
+    reason TEXT NOT NULL
+);
 """
 
 ATTEMPT_JSON_FIELDS = (
@@ -275,6 +282,27 @@ class Ledger:
     def running_attempts(self) -> list[AttemptRow]:
         rows = self._db.execute("SELECT * FROM attempts WHERE state = 'running'").fetchall()
         return [AttemptRow(dict(r)) for r in rows]
+
+    def reserve(self, attempt_id: int, reserved_bytes: int, expected_bytes: int | None, reason: str) -> None:
+        """A compile job's reservation from now on: its first at admission, then each change."""
+        self._write(
+            "INSERT INTO reservations (attempt_id, t, reserved_bytes, expected_bytes, reason)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (attempt_id, time.time(), reserved_bytes, expected_bytes, reason),
+        )
+
+    def reservations(self) -> dict[int, list[dict[str, Any]]]:
+        """Every attempt's reservations in time order, by attempt id (none in a ledger from before them)."""
+        try:
+            rows = self._db.execute("SELECT * FROM reservations ORDER BY t, rowid").fetchall()
+        except sqlite3.OperationalError as exc:  # a ledger written before reservations were recorded
+            if "no such table" not in str(exc):
+                raise
+            return {}
+        out: dict[int, list[dict[str, Any]]] = {}
+        for row in rows:
+            out.setdefault(row["attempt_id"], []).append(dict(row))
+        return out
 
     def timeline(self, attempt_id: int) -> list[tuple[float, int, int]]:
         rows = self._db.execute(

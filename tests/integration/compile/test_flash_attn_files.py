@@ -30,6 +30,7 @@ CUDA_HOME = Path("/usr/local/cuda-13.0")
 TORCH_CUDA_PYTHON = os.environ.get("EYRIE_TORCH_CUDA_PYTHON")
 FILES = ["flash_fwd_hdim128_bf16_sm80.cu", "flash_fwd_split_hdim128_bf16_sm80.cu"]
 GiB = 2**30
+PKG = "flash-attn 2.8.3"
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,7 +47,7 @@ def test_two_flash_attn_files_compile_side_by_side_within_the_budget(tmp_path: P
     variables = with_torch_headers_of(variables, TORCH_CUDA_PYTHON, sys.executable)
     profile = Profile.load([SHIPPED_PROFILES], default_peak=DEFAULT_JOB_PEAK_PER_ARCH)
     budget = 10 * GiB  # both measured forward files (~4.1 GiB each, +15%) fit side by side
-    with BuildBroker(nvcc=str(CUDA_HOME / "bin/nvcc"), nvcc_version="13.0", profile=profile,
+    with BuildBroker(nvcc=str(CUDA_HOME / "bin/nvcc"), nvcc_version="13.0", package=PKG, profile=profile,
                      budget=budget, cpu_slots=2, run_dir=tmp_path / "run") as broker:  # fmt: skip
         write_subset_ninja(tmp_path / "build", broker.env()["PYTORCH_NVCC"], variables, source, FILES,
                            torch_header_shim(sys.executable, tmp_path))  # fmt: skip
@@ -60,5 +61,5 @@ def test_two_flash_attn_files_compile_side_by_side_within_the_budget(tmp_path: P
     assert second[0] < first[1], "the two predicted peaks fit the budget together: they overlap"
     shipped = Profile.load([SHIPPED_PROFILES], default_peak=1, margin=1.0)
     for row in rows:
-        measured = shipped.predict(JobKey(row.step, ("120",), 1, "13.0"))
+        measured = shipped.predict(JobKey(row.step, ("120",), 1, "13.0", PKG))
         assert 0.75 < row.anon_peak_bytes / measured.peak_bytes < 1.25, (row.step, row.anon_peak_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ CUDA_HOME = Path("/usr/local/cuda-13.0")
 NVCC = CUDA_HOME / "bin" / "nvcc"
 FIXTURES = Path(__file__).parent / "fixtures"
 GiB = 2**30
+PKG = "flash-attn 2.8.3"
 LIMIT = int(2.5 * GiB)
 BIG = ["big_a.cu", "big_b.cu", "big_c.cu", "big_d.cu"]
 NVCC_FLAGS = "-std=c++17 -gencode arch=compute_120,code=sm_120 --threads 1"
@@ -51,7 +53,7 @@ def write_ninja(build_dir: Path, nvcc_command: str, sources: list[str]) -> None:
 
 
 def broker_for(tmp_path: Path, profile: Profile, budget: int = LIMIT) -> BuildBroker:
-    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", profile=profile, budget=budget,
+    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", package=PKG, profile=profile, budget=budget,
                        cpu_slots=4, run_dir=tmp_path / "run")  # fmt: skip
 
 
@@ -83,34 +85,50 @@ def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path:
     assert outcome.oom_kills >= 1, "four 0.9 GiB compiles at once should not fit 2.5 GiB"
     assert outcome.exit_code != 0
 
-    scheduled = tmp_path / "scheduled"
-    scheduled.mkdir()
-    # Nothing measured: the first job runs alone on a default of the whole budget,
-    # and its real peak corrects the prediction for the other three.
-    with broker_for(tmp_path, Profile(default_peak=LIMIT)) as broker:
-        write_ninja(scheduled, broker.env()["PYTORCH_NVCC"], BIG)
-        done = ninja(scheduled, broker.env())
+    # Nothing measured: every job holds the conservative default (here the whole budget),
+    # whatever the others measure as they finish, so they run one at a time.
+    unmeasured = Profile(default_peak=LIMIT)
+    rows = scheduled_build(tmp_path / "first", unmeasured)
+    spans = sorted((r.started_at, r.ended_at) for r in rows)
+    assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False)), spans
+
+    # The same files measured with another nvcc (12.9 here): predicted from that neighbour,
+    # they run side by side, and each job's reservation is in the ledger with its basis.
+    neighbour = Profile([replace(e, nvcc="12.9") for e in unmeasured.entries()], default_peak=LIMIT)
+    rows = scheduled_build(tmp_path / "second", neighbour)
+    spans = sorted((r.started_at, r.ended_at) for r in rows)
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)), spans
+    assert all("for nvcc 12.9" in r.limit_reason for r in rows)
+    held = Ledger(tmp_path / "second", create=False).reservations()
+    assert all(held[r.id][0]["reserved_bytes"] == r.limit_bytes < LIMIT for r in rows)
+    assert all(held[r.id][0]["expected_bytes"] < held[r.id][0]["reserved_bytes"] for r in rows)
+
+
+def scheduled_build(run_dir: Path, profile: Profile) -> list:
+    """The four big fixtures through the broker under LIMIT: all compiled, no OOM kill, every attempt."""
+    build = run_dir / "build"
+    build.mkdir(parents=True)
+    with BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", package=PKG, profile=profile, budget=LIMIT,
+                     cpu_slots=4, run_dir=run_dir) as broker:  # fmt: skip
+        write_ninja(build, broker.env()["PYTORCH_NVCC"], BIG)
+        done = ninja(build, broker.env())
     report = broker.report()
     assert done.returncode == 0, done.stdout + done.stderr
-    assert all((scheduled / f"{Path(s).stem}.o").is_file() for s in BIG)
-    assert report.oom_kills == 0
-    assert report.peak_reserved <= LIMIT
-
-    ledger = Ledger(tmp_path / "run", create=False)
-    rows = ledger.attempts()
+    assert all((build / f"{Path(s).stem}.o").is_file() for s in BIG)
+    assert report.oom_kills == 0 and report.peak_reserved <= LIMIT
+    rows = Ledger(run_dir, create=False).attempts()
     assert sorted(r.step for r in rows) == sorted(BIG)
     assert {r.verdict for r in rows} == {"succeeded"}
     assert all(0 < r.anon_peak_bytes <= r.limit_bytes for r in rows)
-    # After the first job, two ran side by side: the correction made room for them.
-    spans = sorted((r.started_at, r.ended_at) for r in rows)
-    assert any(b[0] < a[1] for a, b in zip(spans[1:], spans[2:], strict=False)), spans
+    return rows
 
 
 def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) -> None:
     build = tmp_path / "build"
     build.mkdir()
     # A stale measurement: big_a.cu "needed" 0.55 GiB. Its limit (0.55 × 1.15) is too low.
-    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5)
+    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5,
+                         package=PKG)  # fmt: skip
     profile = Profile([stale], default_peak=LIMIT)
     with broker_for(tmp_path, profile) as broker:
         write_ninja(build, broker.env()["PYTORCH_NVCC"], ["big_a.cu", "small_a.cu"])
@@ -124,7 +142,7 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
     assert [r.verdict for r in rows][1:] == ["succeeded"]
     assert rows[1].limit_bytes > rows[0].limit_bytes
     # The build learned the real figure for the rest of the build (and the next one).
-    learned = profile.predict(JobKey("big_a.cu", ("120",), 1, "13.0"))
+    learned = profile.predict(JobKey("big_a.cu", ("120",), 1, "13.0", PKG))
     assert learned.peak_bytes > rows[0].limit_bytes
 
 

@@ -8,8 +8,12 @@ import pytest
 from typer.testing import CliRunner
 
 import pipeline.compile.cli as build_cli
+import pipeline.compile.flash_attn as flash_attn
 from pipeline.cli import app
 from pipeline.compile.flash_attn import Toolchain
+from pipeline.memory import Budget
+
+GiB = 2**30
 
 
 def flash_attn_tree(root: Path) -> Path:
@@ -21,9 +25,14 @@ def flash_attn_tree(root: Path) -> Path:
 
 @pytest.fixture
 def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Runs the command on a flash-attn tree, with a toolchain no profile has measured (no nvcc needed)."""
+    """Runs the command on a flash-attn tree, with a toolchain no profile has measured (no nvcc needed),
+    in a process that has 20 GiB."""
     tools = Toolchain("python3", "2.13.0", "13.0", Path("/usr/local/cuda"), "99.9", "3.11")
     monkeypatch.setattr(build_cli, "toolchain", lambda python, cuda_home: tools)
+    has = Budget(available=20 * GiB, mem_total=64 * GiB, mem_available=30 * GiB, cgroup_version=2)
+    monkeypatch.setattr(flash_attn, "memory_budget", lambda: has)
+    for variable in ("MAX_JOBS", "NVCC_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
     source = flash_attn_tree(tmp_path / "src")
 
     def run(*args: str):
@@ -46,6 +55,11 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ("--profile", "{tmp}/missing.json", "{tmp}/missing.json"),
         ("--profile", "{tmp}/malformed.json", "{tmp}/malformed.json"),
         ("--profile", "{tmp}/no_entries.json", "{tmp}/no_entries.json"),
+        ("--archs", "75;120", "--archs '75;120': flash-attn builds only 80;90;100;120"),
+        ("--budget", "64GiB", "--budget '64GiB' is more than this process has: 20.0 GiB"),
+        # Measured with nvcc 13.0 only, at 3.3 GiB: the nearest toolchain's figure stands for 99.9's.
+        ("--budget", "1GiB", "budget 1.00 GiB is below the expected peak of one job: "
+                             "flash_fwd_hdim32_fp16_sm80.cu needs 3.32 GiB for sm 120"),
     ],
 )
 def test_a_wrong_option_or_file_is_one_line_naming_it(tmp_path: Path, build, option: str, value: str,

@@ -100,10 +100,11 @@ def test_the_toolchain_names_the_python_the_wheel_is_built_for(tmp_path: Path) -
 
 def test_a_budget_below_the_largest_measured_job_is_refused_up_front(tmp_path: Path) -> None:
     src = tree(tmp_path)
-    profile = Profile([ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0",
-                                    anon_peak_bytes=6 * GiB, wall_s=120)], default_peak=8 * GiB)  # fmt: skip
+    measured = ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB,
+                            wall_s=120, package="flash-attn 2.8.3")  # fmt: skip
+    profile = Profile([measured], default_peak=8 * GiB)
     check_budget(plan(src, 7 * GiB), profile, cuda_sources(src))
-    with pytest.raises(BuildError, match=r"flash_bwd_hdim128_bf16_sm80.cu needs 6.00 GiB"):
+    with pytest.raises(BuildError, match=r"5.00 GiB is below .* flash_bwd_hdim128_bf16_sm80.cu needs 6.00"):
         check_budget(plan(src, 5 * GiB), profile, cuda_sources(src))
     # Two archs at --threads 2 hold both per-arch compiles at once: 12 GiB.
     with pytest.raises(BuildError, match=r"needs 12.00 GiB for sm 100;120 with --threads 2"):
@@ -127,12 +128,52 @@ def test_budget_auto_is_the_cgroup_aware_budget_less_headroom() -> None:
     from pipeline.compile.flash_attn import resolve_budget
     from pipeline.memory import memory_budget
 
-    budget, basis = resolve_budget("auto", GiB)
+    budget, basis, warnings = resolve_budget("auto", GiB)
     assert abs(budget - (memory_budget().available - GiB)) < 512 * 2**20  # usage moves meanwhile
-    assert "headroom" in basis
-    assert resolve_budget("12GiB", GiB) == (12 * GiB, "given with --budget")
+    assert "headroom" in basis and warnings == []
     with pytest.raises(BuildError, match="less than the .* headroom"):
         resolve_budget("auto", 2**50)
+
+
+def test_an_explicit_budget_is_checked_against_what_the_process_really_has() -> None:
+    from pipeline.compile.flash_attn import resolve_budget
+    from pipeline.memory import Budget
+
+    has = Budget(available=20 * GiB, mem_total=64 * GiB, mem_available=30 * GiB, cgroup_version=2,
+                 binding="cgroup /sys/fs/cgroup/build (limit − usage)")  # fmt: skip
+    assert resolve_budget("12GiB", 2 * GiB, has) == (12 * GiB, "given with --budget", [])
+    budget, _, warnings = resolve_budget("19GiB", 2 * GiB, has)
+    assert budget == 19 * GiB and "leaves 1.0 GiB of the 20.0 GiB" in warnings[0]
+    with pytest.raises(BuildError) as refused:
+        resolve_budget("64GiB", 2 * GiB, has)
+    message = str(refused.value)
+    assert "--budget '64GiB' is more than this process has: 20.0 GiB (bound by cgroup" in message
+    assert "pass at most 18.0GiB" in message and "\n" not in message
+
+
+def test_max_jobs_and_nvcc_threads_from_the_environment_are_used_and_said() -> None:
+    from pipeline.compile.flash_attn import environment_settings
+
+    assert environment_settings({}, "auto") == ("auto", None, [])
+    threads, max_jobs, notes = environment_settings({"NVCC_THREADS": "2", "MAX_JOBS": "16"}, "auto")
+    assert (threads, max_jobs) == ("2", 16)
+    assert notes[0].startswith("NVCC_THREADS=2 (environment): nvcc --threads 2")
+    assert notes[1].startswith("MAX_JOBS=16 (environment): at most 16 nvcc jobs at once")
+    threads, _, notes = environment_settings({"NVCC_THREADS": "4"}, "1")
+    assert threads == "1" and notes == ["--threads 1 given: NVCC_THREADS=4 (environment) is not used"]
+    with pytest.raises(BuildError, match=r"MAX_JOBS='many' in the environment is not a positive number"):
+        environment_settings({"MAX_JOBS": "many"}, "auto")
+
+
+def test_a_prediction_cut_to_the_budget_is_said_with_the_margin_left(tmp_path: Path) -> None:
+    src = tree(tmp_path)
+    measured = ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB,
+                            wall_s=120, package="flash-attn 2.8.3")  # fmt: skip
+    profile = Profile([measured], default_peak=8 * GiB, margin=1.15)
+    assert check_budget(plan(src, 8 * GiB), profile, cuda_sources(src)) == []
+    (note,) = check_budget(plan(src, int(6.6 * GiB)), profile, cuda_sources(src))
+    assert "flash_bwd_hdim128_bf16_sm80.cu, predicted 6.90 GiB (6.00 GiB expected), gets 6.60 GiB" in note
+    assert "1.10× its expected peak" in note
 
 
 def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Path) -> None:
