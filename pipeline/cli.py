@@ -242,7 +242,11 @@ def generate(
     ] = False,
     retry_errors: Annotated[bool, typer.Option(help="Ask the ids in errors.jsonl again.")] = False,
     restart: Annotated[
-        bool, typer.Option(help="Move earlier rows aside (restarted/) and start over.")
+        bool,
+        typer.Option(
+            envvar="EYRIE_GENERATE_RESTART",
+            help="Move earlier rows aside (restarted/) and start over (in a pipeline: the variable, once).",
+        ),
     ] = False,
     max_retries: Annotated[
         int, typer.Option(help="Retries of a transient error while the server is up.")

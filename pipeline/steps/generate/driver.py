@@ -195,7 +195,8 @@ def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple
         raise GenerateError(
             f"generate: the rows in {out} were made with other settings "
             f"({_settings_diff(previous, settings)}); rerun with the same settings to resume them, "
-            "or add --restart to move them aside and start over"
+            "or add --restart (in a pipeline file's run: EYRIE_GENERATE_RESTART=1, once) to move them "
+            "aside and start over"
         )
     if earlier and config.restart:
         aside = set_aside(out, [*earlier, settings_path, out / MANIFEST_NAME])

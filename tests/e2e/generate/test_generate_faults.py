@@ -284,7 +284,8 @@ def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_asid
     assert refused.returncode == 2
     assert refused.stderr.strip() == (
         f"generate: the rows in {out} were made with other settings (sampling.temperature 0.7 -> 0.5); "
-        "rerun with the same settings to resume them, or add --restart to move them aside and start over"
+        "rerun with the same settings to resume them, or add --restart (in a pipeline file's run: "
+        "EYRIE_GENERATE_RESTART=1, once) to move them aside and start over"
     )
     # Refused before touching anything: the earlier outputs still check out as complete.
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -303,6 +304,11 @@ def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_asid
     assert json.loads((aside / "generate.settings.json").read_text())["sampling"]["temperature"] == 0.7
     assert len(read_jsonl(out / "conversations.jsonl")) == 50
     assert read_manifest(out).stats["sampling"]["temperature"] == 0.5
+
+    # In a pipeline the command is the file's: the restart comes from the environment, for one run.
+    again = run_generate(prompts, out, other.url, env={"EYRIE_GENERATE_RESTART": "1"})
+    assert again.returncode == 0, again.stderr
+    assert len(list((out / "restarted").iterdir())) == 2
 
 
 def test_text_that_is_not_unicode_is_a_row_error_not_a_crash(tmp_path, fake_server):
