@@ -218,9 +218,29 @@ def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
     return 0, 0 in finished  # keyed by global rank
 
 
+def placement_for_launch(cfg: TrainConfig, devices=None) -> TrainConfig:
+    """``auto`` with several processes on one node: each rank holds the target when one GPU holds it
+    beside the draft (replicated); otherwise it is sharded over every GPU, in one process."""
+    if cfg.target_placement != "auto" or cfg.nproc == 1 or cfg.nnodes > 1:
+        return cfg
+    from pipeline.steps.train.train import prepare
+
+    plan = prepare(cfg, world=1, devices=devices).plan
+    if plan.placement != "sharded":
+        return cfg
+    print(f"target placement auto: {plan.reason}; one process trains, not --nproc {cfg.nproc}", flush=True)
+    return cfg.model_copy(update={"nproc": 1, "target_placement": "sharded"})
+
+
 def _train_here(cfg: TrainConfig) -> int | None:
     """Train (in this process or under torchrun); an exit code, or None when this node's
     rank 0 wrote the draft and eval.json, whose manifest is still to write."""
+    if "LOCAL_RANK" not in os.environ:
+        try:
+            cfg = placement_for_launch(cfg)
+        except BAD_INPUT_ERRORS as exc:
+            _say(str(exc))
+            return EXIT_BAD_INPUT
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         if cfg.target_placement == "offline":
             try:

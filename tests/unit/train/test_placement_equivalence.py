@@ -30,6 +30,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 
 from pipeline.steps.train.features import LOGITS_CHUNK
 from pipeline.steps.train.placement import HEADROOM, Device, target_units
+from pipeline.steps.train.cli import placement_for_launch
 from pipeline.steps.train.train import TrainConfig, prepare, train
 
 VOCAB = 128
@@ -121,3 +122,11 @@ def test_replicated_sharded_and_offline_train_the_same_draft(tmp_path, shards, k
         assert other.keys() == weights.keys()
         for name, tensor in weights.items():
             torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-6, msg=f"{placement}: {name}")
+
+
+def test_auto_with_several_processes_trains_sharded_in_one_when_no_device_holds_the_target(tmp_path, shards):
+    cfg = _settings(shards, _target(tmp_path, "dense"), tmp_path / "out", "auto").model_copy(update={"nproc": 2})
+    launched = placement_for_launch(cfg, _two_devices(cfg))
+    assert (launched.nproc, launched.target_placement) == (1, "sharded")
+    # one device that holds it: every rank holds a copy, as asked
+    assert placement_for_launch(cfg, [Device("cpu", 1 << 40)]) == cfg
