@@ -125,7 +125,8 @@ def test_replicated_sharded_and_offline_train_the_same_draft(tmp_path, shards, k
 
 
 def test_auto_with_several_processes_trains_sharded_in_one_when_no_device_holds_the_target(tmp_path, shards):
-    cfg = _settings(shards, _target(tmp_path, "dense"), tmp_path / "out", "auto").model_copy(update={"nproc": 2})
+    cfg = _settings(shards, _target(tmp_path, "dense"), tmp_path / "out", "auto")
+    cfg = cfg.model_copy(update={"nproc": 2})
     launched = placement_for_launch(cfg, _two_devices(cfg))
     assert (launched.nproc, launched.target_placement) == (1, "sharded")
     # one device that holds it: every rank holds a copy, as asked
