@@ -1,7 +1,8 @@
 """What to ask the target for each prompt row, and how its answers become a conversation.
 
-A prompt row (``prompts.jsonl``, DESIGN.md) is ``{id, source, messages}`` with OpenAI
-chat messages. The output row (``conversations.jsonl``) is SpecForge's
+A prompt row (``prompts.jsonl``, as ``pipeline.steps.prep.sources.conversation_record`` writes
+it) is ``{id, source, source_id, messages}`` with OpenAI chat messages. The output row
+(``conversations.jsonl``) is SpecForge's
 ``{id, conversations: [{role, content, reasoning_content?, tool_calls?}]}`` plus the
 row's ``source`` and the generation flags (``finish_reason``, ``truncated``, ``mode``).
 

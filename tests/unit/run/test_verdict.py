@@ -1,4 +1,4 @@
-"""The verdict table of DESIGN.md, decided from evidence alone."""
+"""The verdict table (README.md, "Reading the ledger"), decided from evidence alone."""
 
 import signal
 
