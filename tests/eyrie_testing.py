@@ -15,12 +15,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
 from pipeline.report.chart import AVAILABLE_COLOR, BUDGET_COLOR, GRID_COLOR, OTHER_COLOR
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO / "tests" / "scenarios" / "scenarios.yaml"
+PLAYBOOK = REPO / "ansible" / "playbooks" / "provision.yml"
+
+
+def playbook_roles() -> list[str]:
+    """The roles the provisioning playbook applies, in its order: adding a role is adding it there."""
+    (play,) = yaml.safe_load(PLAYBOOK.read_text())
+    return [entry["role"] if isinstance(entry, dict) else entry for entry in play["roles"]]
 
 
 def eyrie(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -33,13 +33,14 @@ sys.path.insert(0, str(REPO / "tests" / "fixtures" / "provision"))
 import standin_repos  # noqa: E402
 from ci_host import OPERATOR, ci_host, docker, docker_engine_missing  # noqa: E402
 
+from eyrie_testing import playbook_roles  # noqa: E402
 from pipeline.provision import provision  # noqa: E402
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 # Drift planted in two roles: nouveau's blacklist (nvidia_driver), nvcc on PATH (cuda_toolkit).
 DRIFT = ("/etc/modprobe.d/eyrie-blacklist-nouveau.conf", "/etc/profile.d/eyrie-cuda.sh")
 DRIVER_PACKAGES = ("nvidia-open", "nvidia-kernel-open-dkms", "nvidia-driver-cuda", "nvidia-persistenced")
-ROLES = {"host", "nvidia_driver", "cuda_toolkit", "docker", "nvidia_container_toolkit"}
+ROLES = set(playbook_roles())
 
 
 @pytest.fixture(scope="module")

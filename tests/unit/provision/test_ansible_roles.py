@@ -10,13 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eyrie_testing import PLAYBOOK, playbook_roles
+
 ANSIBLE = Path(__file__).resolve().parents[3] / "ansible"
 ROLES = sorted(p.name for p in (ANSIBLE / "roles").iterdir() if p.is_dir())
 BIN = Path(sys.executable).parent
 
 
-def test_the_five_roles_exist():
-    assert ROLES == ["cuda_toolkit", "docker", "host", "nvidia_container_toolkit", "nvidia_driver"]
+def test_the_playbook_applies_every_role_under_its_own_tag():
+    assert sorted(playbook_roles()) == ROLES, "ansible/roles/ and the playbook's roles differ"
+    (play,) = yaml.safe_load(PLAYBOOK.read_text())
+    for entry in play["roles"]:
+        assert entry["tags"] == [entry["role"]], f"{entry['role']}: `make provision tags=ROLE` needs its tag"
 
 
 @pytest.mark.parametrize("role", ROLES)
