@@ -40,18 +40,17 @@ from pathlib import Path
 from pipeline.compile.profile import JobKey, Profile, parse_nvcc_argv
 from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job, ShapeWatch
 from pipeline.compile.unconfined import UnconfinedExecutor, tree_anon_bytes
-from pipeline.memory import Cgroup, CgroupError, CgroupV2, read_meminfo, step_parent
+from pipeline.memory import Cgroup, CgroupError, CgroupV2, format_size, read_meminfo, step_parent
 from pipeline.run.executor import Launch, Outcome
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
-from pipeline.run.verdict import Verdict, decide
+from pipeline.run.verdict import MEMORY_VERDICTS, Verdict, decide
 
 WRAPPER = Path(__file__).with_name("nvcc_wrapper.py")
 SOCKET_ENV = "EYRIE_BUILD_SOCKET"
 WATCH_S = 1.0
 """How often running jobs' memory is read against their shapes (the ledger's timeline step)."""
-MEMORY_VERDICTS = frozenset({Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR})
 
 
 @dataclass
@@ -228,7 +227,7 @@ class BuildBroker:
         job.basis = prediction.basis
         if prediction.peak_bytes > self.budget:
             left = self.budget / prediction.expected_bytes if prediction.expected_bytes else None
-            job.basis += (f"; cut to the budget {_gib(self.budget)}"
+            job.basis += (f"; cut to the budget {format_size(self.budget, 'GiB')}"
                           + (f", {left:.2f}× the expected peak" if left else ""))  # fmt: skip
         job.watch = (ShapeWatch(prediction.expected_bytes, prediction.shape, self.profile.margin)
                      if prediction.expected_bytes and prediction.shape else None)  # fmt: skip
@@ -258,10 +257,10 @@ class BuildBroker:
                     continue
                 job.watch = None  # one shrink: from its peak down to its tail
                 tail = math.ceil(shape_rest / self.profile.margin)
-                reason = (f"peak passed ({_gib(anon)} in use): the rest of its shape needs {_gib(tail)} "
-                          f"× {self.profile.margin} margin")  # fmt: skip
+                reason = (f"peak passed ({format_size(anon, 'GiB')} in use): the rest of its shape needs "
+                          f"{format_size(tail, 'GiB')} × {self.profile.margin} margin")  # fmt: skip
                 if rest > shape_rest:
-                    reason += f", held at its cgroup's usage {_gib(rest)} (page cache included)"
+                    reason += f", held at its cgroup's usage {format_size(rest, 'GiB')} (page cache included)"
                 self.ledger.reserve(attempt_id, rest, tail, reason)
                 self.scheduler.shrink(job, rest)
 
@@ -345,10 +344,6 @@ def _first_error(stderr: str) -> str | None:
         if "error" in line.lower():
             return line.strip()[:300]
     return None
-
-
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.2f} GiB"
 
 
 def _read(path: Path) -> str:

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.compile.broker import BuildBroker, BuildReport
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
-from pipeline.memory import Budget, memory_budget, parse_size
+from pipeline.memory import Budget, format_size, memory_budget, parse_size
 from pipeline.run.manifest import atomic_path
 
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
@@ -320,8 +320,8 @@ def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> list[str]:
             cut.append((plan.budget / expected, name, prediction.peak_bytes, expected))
     if worst > plan.budget:
         raise BuildError(
-            f"budget {_gib(plan.budget)} is below the expected peak of one job: {worst_file} "
-            f"needs {_gib(worst)} for sm {';'.join(plan.archs)} with --threads {plan.threads} "
+            f"budget {format_size(plan.budget, 'GiB')} is below the expected peak of one job: {worst_file} "
+            f"needs {format_size(worst, 'GiB')} for sm {';'.join(plan.archs)} with --threads {plan.threads} "
             f"(nvcc {plan.toolchain.nvcc_version}); raise --budget, lower --threads, or build fewer archs"
         )
     if not cut:
@@ -329,8 +329,9 @@ def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> list[str]:
     left, name, predicted, expected = min(cut)
     return [
         f"{len(cut)} job(s) predicted above the budget run with it as their limit, less than the "
-        f"{profile.margin}× safety margin: the tightest, {name}, predicted {_gib(predicted)} "
-        f"({_gib(expected)} expected), gets {_gib(plan.budget)}, {left:.2f}× its expected peak; "
+        f"{profile.margin}× safety margin: the tightest, {name}, predicted {format_size(predicted, 'GiB')} "
+        f"({format_size(expected, 'GiB')} expected), gets {format_size(plan.budget, 'GiB')}, "
+        f"{left:.2f}× its expected peak; "
         "each runs alone, and one OOM-killed there fails the build, naming it"
     ]
 
@@ -402,7 +403,7 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
         budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir, cxx_standard=standard,
     ) as broker, tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir:  # fmt: skip
         log(f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
-            f"{plan.threads}, budget {plan.budget / 2**30:.2f} GiB ({plan.budget_basis}), "
+            f"{plan.threads}, budget {format_size(plan.budget, 'GiB')} ({plan.budget_basis}), "
             f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}")  # fmt: skip
         env = build_env(plan, broker.env(), lookahead)
         if standard:
@@ -445,10 +446,6 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
                      "peak_reserved": report.peak_reserved, "run_id": broker.run_id}  # fmt: skip
             (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
     return target_dir / wheels[0].name, report
-
-
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.2f} GiB"
 
 
 def cached_wheel(out: Path, plan_key: str) -> Path | None:

@@ -31,6 +31,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.memory.units import format_size
+
 SHIPPED_PROFILES = Path(__file__).parent / "profiles"
 SAFETY_MARGIN = 1.15
 """Peaks of one file vary by a few per cent between runs; 15% covers that and a
@@ -215,10 +217,11 @@ class Profile:
             if estimate is None:
                 learned = self._learned_max.get(key.config(), 0)
                 if learned * self.margin > self.default_peak:
+                    learned_text = format_size(learned, "GiB")
                     return Prediction(math.ceil(learned * self.margin), None,
-                                      f"unmeasured file: largest peak of this build {_gib(learned)} "
+                                      f"unmeasured file: largest peak of this build {learned_text} "
                                       f"× {self.margin}, above the default")  # fmt: skip
-                default = _gib(self.default_peak)
+                default = format_size(self.default_peak, "GiB")
                 return Prediction(self.default_peak, None, f"unmeasured file: default {default}")
             peak, basis = estimate.peak, estimate.basis
             ratio = self.ratio(key)
@@ -232,8 +235,9 @@ class Profile:
         """The job's expected peak from measurements alone (no margin, no ratio); None if none fits."""
         exact = self._entries.get(key)
         if exact is not None:
-            return _Estimate(exact.anon_peak_bytes, exact.wall_s, tuple(exact.shape),
-                             f"measured {_gib(exact.anon_peak_bytes)}", derived=False)  # fmt: skip
+            measured = format_size(exact.anon_peak_bytes, "GiB")
+            return _Estimate(exact.anon_peak_bytes, exact.wall_s, tuple(exact.shape), f"measured {measured}",
+                             derived=False)  # fmt: skip
         same_file = list(self._by_file.get((key.package, key.source), {}).values())
         if not same_file:
             return None
@@ -251,7 +255,7 @@ class Profile:
         where = [f"nvcc {base.nvcc}"] if base.nvcc != key.nvcc else []
         if base.key.archs != key.archs or base.threads != key.threads:
             where.append(f"sm {';'.join(base.archs)} threads {base.threads}")
-        basis = f"measured {_gib(base.anon_peak_bytes)} for {', '.join(where)}"
+        basis = f"measured {format_size(base.anon_peak_bytes, 'GiB')} for {', '.join(where)}"
         if factor != 1:
             basis += f", × {factor:g} archs in flight"
         return _Estimate(math.ceil(base.anon_peak_bytes * factor), base.wall_s * key.waves / base_waves,
@@ -292,7 +296,3 @@ def _release_distance(release: str, other: str) -> tuple[int, int]:
 def _release(text: str) -> tuple[int, int]:
     parts = [int(p) for p in re.findall(r"\d+", text)[:2]] + [0, 0]
     return parts[0], parts[1]
-
-
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.2f} GiB"

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pipeline.memory.units import format_size
+
 RETRY_GROWTH = 2.0
 """Killed at its limit, a job shows only that it needs more than the limit; doubling
 bounds the retries at log2(budget / first guess) while rarely over-reserving by more than 2×."""
@@ -175,12 +177,16 @@ class AdmissionScheduler:
             self.running.remove(job)
             if job.reservation >= self.budget:
                 raise BudgetTooSmall(
-                    f"{job.name} was OOM-killed holding the whole budget of {_gib(self.budget)} "
-                    f"(observed peak {_gib(observed_peak)}): it cannot be built within this budget; "
+                    f"{job.name} was OOM-killed holding the whole budget of "
+                    f"{format_size(self.budget, 'GiB')} (observed peak {format_size(observed_peak, 'GiB')}): "
+                    "it cannot be built within this budget; "
                     "give it more memory (--budget) or fewer nvcc threads/archs per job"
                 )
             job.reservation = min(self.budget, int(max(observed_peak, job.reservation) * RETRY_GROWTH))
-            job.basis = f"OOM-killed at {_gib(observed_peak)}: retry reserving {_gib(job.reservation)}"
+            job.basis = (
+                f"OOM-killed at {format_size(observed_peak, 'GiB')}: "
+                f"retry reserving {format_size(job.reservation, 'GiB')}"
+            )
             job.attempt += 1
             job.watch, job.expected = None, None  # under-predicted once: the retry keeps what it reserves
             job.admitted.clear()
@@ -209,7 +215,3 @@ class AdmissionScheduler:
         for job in admitted:
             job.admitted.set()
         return admitted
-
-
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.2f} GiB"

@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 from pipeline.memory import Cgroup, CgroupError, current_cgroup
-from pipeline.run.executor import Launch, LineCapture, Outcome
+from pipeline.run.executor import STOP_GRACE_S, Launch, LineCapture, Outcome
 
 POLL_S = 0.2
-STOP_GRACE_S = 5.0
 
 
 def _children(pid: int) -> list[int]:

@@ -39,14 +39,18 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
-def format_size(num_bytes: int | None) -> str:
-    """``1.50 GiB``; ``-`` for unknown."""
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_size(num_bytes: int | None, unit: str | None = None) -> str:
+    """``1.50 GiB``, in the largest unit below the value or in ``unit`` (``GiB``: figures meant to
+    be compared with each other); ``-`` for unknown."""
     if num_bytes is None:
         return "-"
     value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+    for name in _BINARY_UNITS:
+        if (abs(value) < 1024 if unit is None else name == unit) or name == _BINARY_UNITS[-1]:
+            return f"{value:.0f} {name}" if name == "B" else f"{value:.2f} {name}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -9,8 +9,16 @@ attempt answer it for the moment the attempt was killed or crashed.
 from __future__ import annotations
 
 from pipeline.memory import format_size
-from pipeline.report.timeline import CRASH_ENDINGS, MEMORY_ENDINGS, Track, clock, timeline_of
+from pipeline.report.timeline import (
+    CRASH_ENDINGS,
+    MEMORY_ENDINGS,
+    OOM_KILL_ENDINGS,
+    Track,
+    clock,
+    timeline_of,
+)
 from pipeline.run.ledger import AttemptRow, HostSample, Ledger
+from pipeline.run.verdict import Verdict
 
 NEAR_LIMIT = 0.9  # memory this close to its limit: the limit is what stopped the attempt
 HOST_FULL = 0.05  # less than this share of the host's memory left: the host was full
@@ -65,7 +73,7 @@ def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
 
 
 def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Track, int | None]]) -> str:
-    killed = row.verdict in ("oom_killed", "child_oom_killed")
+    killed = row.verdict in OOM_KILL_ENDINGS
     # An OOM kill means the cgroup was full, page cache included; any other ending is judged by
     # the anonymous memory, as page cache alone fills a cgroup that reads files and harms no one.
     used = (row.peak_bytes if killed else row.anon_peak_bytes or row.peak_bytes) or 0
@@ -101,7 +109,7 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
         f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and the host had {free:.0%} "
         "of its memory available"
     )
-    if row.verdict == "memory_error":
+    if row.verdict == Verdict.MEMORY_ERROR.value:
         return f"{low}: the allocation that failed asked for more than there was; see its size in stderr."
     return f"{low}, so memory did not end it; look at its exit status and stderr instead."
 

@@ -16,9 +16,12 @@ from typing import Any
 
 from pipeline.run.host_sampler import SAMPLE_S
 from pipeline.run.ledger import AttemptRow, HostSample, Ledger
+from pipeline.run.verdict import MEMORY_VERDICTS, OOM_KILL_VERDICTS, Verdict
 
-MEMORY_ENDINGS = frozenset({"oom_killed", "child_oom_killed", "memory_error"})
-CRASH_ENDINGS = frozenset({"crashed", "completed_then_crashed"})
+# The ledger holds verdicts as their names.
+OOM_KILL_ENDINGS = frozenset(verdict.value for verdict in OOM_KILL_VERDICTS)
+MEMORY_ENDINGS = frozenset(verdict.value for verdict in MEMORY_VERDICTS)
+CRASH_ENDINGS = frozenset({Verdict.CRASHED.value, Verdict.COMPLETED_THEN_CRASHED.value})
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,9 @@ class Track:
     def event(self) -> tuple[float, str] | None:
         """When and what to mark: the OOM kill, or the end of an attempt that crashed or ran out."""
         verdict = self.row.verdict
-        if verdict in ("oom_killed", "child_oom_killed"):
+        if verdict in OOM_KILL_ENDINGS:
             return (self.row.oom_at or self.end, "OOM kill")
-        if verdict == "memory_error":
+        if verdict == Verdict.MEMORY_ERROR.value:
             return (self.end, "memory error")
         if verdict in CRASH_ENDINGS:
             return (self.end, "crash")

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from pipeline.memory import Cgroup, CgroupError, current_cgroup
+from pipeline.run.executor import STOP_GRACE_S
 from pipeline.run.monitor import CgroupMonitor
 
-LEFTOVER_GRACE_S = 5.0
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process
 
 
@@ -110,7 +110,7 @@ def run(report_path: Path, argv: list[str]) -> int:
     # Children may outlive the main process; they belong to the attempt and end with it.
     if _others(cgroup):
         _signal_all(cgroup, signal.SIGKILL)
-        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        deadline = time.monotonic() + STOP_GRACE_S
         while _others(cgroup) and time.monotonic() < deadline:
             _reap_nohang()
             time.sleep(0.05)

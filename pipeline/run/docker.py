@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.memory import Budget, read_meminfo
-from pipeline.run.executor import STDERR_TAIL_LINES, ExecutorError, Launch, LineSink, Outcome, StepOptions
+from pipeline.run.executor import (
+    STDERR_TAIL_LINES,
+    STOP_GRACE_S,
+    ExecutorError,
+    Launch,
+    LineSink,
+    Outcome,
+    StepOptions,
+)
 from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
 try:
@@ -52,7 +60,6 @@ DEFAULT_IMAGE = "eyrie-pipeline:latest"
 IMAGE_ENV = "EYRIE_IMAGE"
 NETWORK_ENV = "EYRIE_DOCKER_NETWORK"
 HF_HOME_ENV = "HF_HOME"
-STOP_GRACE_S = 5.0
 STOP_RESEND_S = 0.5
 EVENT_SETTLE_S = 2.0
 INIT = ["python3", "-m", "pipeline.run.container_init"]

@@ -31,6 +31,9 @@ LineSink = Callable[[str, str], None]
 """Called with (stream name 'stdout'|'stderr', line without newline) for each output line."""
 
 STDERR_TAIL_LINES = 40
+STOP_GRACE_S = 5.0
+"""How long an attempt's processes get to end after SIGTERM (or a main process's leftovers after
+SIGKILL) before they are killed, or given up on, by every executor and the step's wrapper."""
 
 
 class ExecutorError(RuntimeError):

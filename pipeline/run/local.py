@@ -9,10 +9,16 @@ import time
 from pathlib import Path
 
 from pipeline.memory import Budget, Cgroup, CgroupError, current_cgroup, memory_budget, step_parent
-from pipeline.run.executor import AttemptStillRunning, Launch, LineCapture, Outcome, StepOptions
+from pipeline.run.executor import (
+    STOP_GRACE_S,
+    AttemptStillRunning,
+    Launch,
+    LineCapture,
+    Outcome,
+    StepOptions,
+)
 from pipeline.run.monitor import CgroupMonitor
 
-STOP_GRACE_S = 5.0
 # A recorded pid is the attempt's own only if that process began with the attempt (not a later
 # process given the same pid): within this many seconds of the recorded start.
 PID_START_MATCH_S = 10.0

@@ -48,10 +48,10 @@ from pipeline.run.manifest import (
     write_manifest,
 )
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
-from pipeline.run.verdict import DONE_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
+from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
 _MIB = 1024 * 1024
-STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors kill after 5 s)
+STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors: STOP_GRACE_S)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
 
 
@@ -415,7 +415,7 @@ class Orchestrator:
     @staticmethod
     def _next_limit(step: StepSpec, verdict: Verdict, limit: int, outcome: Outcome,
                     pool: int) -> tuple[int | None, str]:  # fmt: skip
-        if verdict not in (Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR):
+        if verdict not in MEMORY_VERDICTS:
             return limit, f"attempt after {verdict}, retry_on names it; limit unchanged"
         basis = max(limit, outcome.peak_bytes or 0)
         wanted = math.ceil(basis * step.memory_growth / _MIB) * _MIB

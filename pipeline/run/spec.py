@@ -24,7 +24,7 @@ from pipeline.memory import parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
 from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
-from pipeline.run.verdict import Verdict
+from pipeline.run.verdict import MEMORY_VERDICTS, Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 # ${NAME} or ${NAME:-default} (the default when NAME is unset or empty), as in compose files.
@@ -46,7 +46,7 @@ def _argv(value: Any) -> Any:
 
 
 Argv = Annotated[list[str], BeforeValidator(_argv)]
-DEFAULT_RETRY_ON = [Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED, Verdict.MEMORY_ERROR]
+DEFAULT_RETRY_ON = [verdict for verdict in Verdict if verdict in MEMORY_VERDICTS]
 
 
 class PipelineError(ValueError):

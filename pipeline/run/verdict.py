@@ -31,6 +31,10 @@ class Verdict(str, enum.Enum):
         return self.value
 
 
+# The cgroup's OOM-kill counter rose during the attempt.
+OOM_KILL_VERDICTS = frozenset({Verdict.OOM_KILLED, Verdict.CHILD_OOM_KILLED})
+# Memory ran short: a larger limit may help, so these are retried by default (a step's `retry_on`).
+MEMORY_VERDICTS = OOM_KILL_VERDICTS | {Verdict.MEMORY_ERROR}
 # The step's outputs can be used: the pipeline goes on.
 DONE_VERDICTS = frozenset({Verdict.SUCCEEDED, Verdict.COMPLETED_THEN_CRASHED})
 # A scheduler took the attempt's node away (Slurm's PREEMPTED, NODE_FAIL): nothing about the

@@ -42,3 +42,10 @@ def test_format_size():
     assert format_size(None) == "-"
     assert format_size(512) == "512 B"
     assert format_size(3 * 2**30 // 2) == "1.50 GiB"
+
+
+def test_format_size_in_a_unit_given():
+    assert format_size(512 * 2**20, "GiB") == "0.50 GiB"
+    assert format_size(int(6.64 * 2**30), "GiB") == "6.64 GiB"
+    assert format_size(3 * 2**40, "GiB") == "3072.00 GiB"
+    assert format_size(None, "GiB") == "-"
