@@ -60,7 +60,7 @@ def write_workload(path: Path, copies: int, lengthen: int = 1) -> int:
 
 
 def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[float, int, int]:
-    from pipeline.steps.prep.tokenize import BATCH, Tokenizer, _render, read_conversations
+    from pipeline.steps.tokenize.tokenize import BATCH, Tokenizer, _render, read_conversations
 
     encoder = Tokenizer(folder, template)
     texts = [
@@ -78,7 +78,7 @@ def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[fl
 
 def ours(catalog: Path, folder: Path, template: str, work: Path, workers: int | None) -> tuple[float, Path]:
     from pipeline.steps.prep.prep import prep
-    from pipeline.steps.prep.tokenize import tokenize
+    from pipeline.steps.tokenize.tokenize import tokenize
 
     prep_dir, tok_dir = work / "prep", work / "tokenize"
     started = time.perf_counter()

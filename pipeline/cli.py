@@ -125,7 +125,7 @@ def manifest(
     ],
 ) -> None:
     """Declare a step's outputs complete: hash them into its manifest.json, as the Python API does."""
-    from pipeline.run.manifest import manifest_command
+    from pipeline.run.step_contract import manifest_command
 
     raise typer.Exit(manifest_command(outputs))
 
@@ -197,7 +197,7 @@ def tokenize(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
-    from pipeline.steps.prep.tokenize import tokenize as run_tokenize
+    from pipeline.steps.tokenize.tokenize import tokenize as run_tokenize
 
     raise typer.Exit(
         run_tokenize(

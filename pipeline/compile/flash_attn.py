@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.compile.broker import BuildBroker, BuildReport
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
 from pipeline.memory import Budget, format_size, memory_budget, parse_size
-from pipeline.run.manifest import atomic_path
+from pipeline.run.step_contract import atomic_path
 
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
 """The architectures flash-attn 2.8.3's setup.py knows (``FLASH_ATTN_CUDA_ARCHS``)."""

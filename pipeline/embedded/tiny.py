@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_path, step_dir_from_env, write_manifest
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 SEED = 1234

@@ -1,9 +1,10 @@
-"""Facts about memory: cgroup v1/v2 limits, usage, peaks, OOM kills, and the budget a process has.
+"""Facts about memory: cgroup v1/v2 limits, usage, peaks, OOM kills, the budget a process has, and
+how many workers of a given size it holds.
 
 This layer uses nothing else of eyrie's.
 """
 
-from pipeline.memory.budget import Budget, CgroupReading, memory_budget, read_meminfo
+from pipeline.memory.budget import Budget, CgroupReading, memory_budget, plan_workers, read_meminfo
 from pipeline.memory.cgroup import (
     Cgroup,
     CgroupError,
@@ -35,6 +36,7 @@ __all__ = [
     "memory_budget",
     "parse_duration",
     "parse_size",
+    "plan_workers",
     "read_meminfo",
     "step_parent",
 ]

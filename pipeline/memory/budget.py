@@ -8,6 +8,7 @@ cgroup's working set (usage less the inactive page cache the kernel can drop).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -91,3 +92,21 @@ def memory_budget(proc: Path = Path("/proc"), root: Path = Path("/"), cgroup: Cg
         cgroups=readings,
         binding=binding,
     )
+
+
+def plan_workers(tasks: int, worker_memory: int, requested: int | None) -> tuple[int, dict]:
+    """How many worker processes of ``worker_memory`` bytes each run at once: what this process's
+    budget holds, at most one per CPU (and per task), and at most ``requested``; with the facts
+    that decided it."""
+    budget = memory_budget()
+    by_memory = max(1, budget.available // worker_memory)
+    cpus = len(os.sched_getaffinity(0))
+    workers = max(1, min(tasks, cpus, by_memory, requested or tasks))
+    facts = {
+        "workers": workers,
+        "worker_memory": worker_memory,
+        "budget_available": budget.available,
+        "budget_binding": budget.binding,
+        "cpus": cpus,
+    }
+    return workers, facts

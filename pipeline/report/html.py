@@ -34,7 +34,7 @@ from pipeline.report.run_chart import Legend, run_chart
 from pipeline.report.status import HEADLINE, exit_text, explain, open_ledger, resolve_run_dir, unreadable
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.manifest import atomic_write_text, read_manifest
+from pipeline.run.step_contract import atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }

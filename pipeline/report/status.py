@@ -17,8 +17,8 @@ from pipeline.report.neighbours import neighbours
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
-from pipeline.run.manifest import MANIFEST_NAME, read_manifest
 from pipeline.run.spec import PipelineError, load_pipeline
+from pipeline.run.step_contract import MANIFEST_NAME, read_manifest
 from pipeline.run.verdict import meaningful
 
 VERDICT_STYLE = {
@@ -278,7 +278,7 @@ def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> 
         f"Every declared output was written during this attempt, but no {MANIFEST_NAME} says they are "
         f"complete: {', '.join(facts)}.",
         f"If the command had finished them, it can declare it before it exits: `eyrie manifest "
-        f"{' '.join(outputs)}` (from Python, pipeline.run.manifest.write_manifest); a crash after that "
+        f"{' '.join(outputs)}` (from Python, pipeline.run.step_contract.write_manifest); a crash after that "
         "is completed_then_crashed, and the outputs are kept.",
     ]
 

@@ -44,7 +44,7 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
-from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV
+from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
 try:
     import docker

@@ -33,7 +33,8 @@ from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.manifest import (
+from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
+from pipeline.run.step_contract import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
     PIPELINE_DIR_ENV,
@@ -47,7 +48,6 @@ from pipeline.run.manifest import (
     sha256_file,
     write_manifest,
 )
-from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
 _MIB = 1024 * 1024

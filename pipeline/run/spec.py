@@ -23,7 +23,7 @@ from pydantic import (
 from pipeline.memory import parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
-from pipeline.run.manifest import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
+from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"

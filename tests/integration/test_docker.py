@@ -22,7 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
-from pipeline.run.manifest import read_manifest
+from pipeline.run.step_contract import read_manifest
 from pipeline.steps.train.export import load_draft
 from pipeline.steps.train.model import aux_layer_ids
 

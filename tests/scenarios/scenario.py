@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.run.manifest import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_path, step_dir_from_env, write_manifest
 
 MIB = 1024 * 1024
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 from rich.console import Console
 
-from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.sglang import SGLangError, Speculation, generate, gpus_released, sglang_server
 from pipeline.steps.target import TargetError, check_target
 

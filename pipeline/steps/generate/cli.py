@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from pipeline.memory.units import parse_duration
-from pipeline.run.manifest import step_dir_from_env
+from pipeline.run.step_contract import step_dir_from_env
 from pipeline.steps.generate.client import Retry
 from pipeline.steps.generate.conversation import MODES
 from pipeline.steps.generate.driver import EXIT_BAD_INPUT, GenerateConfig, Sampling, generate

@@ -45,7 +45,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.manifest import MANIFEST_NAME, atomic_path, fsync_dir, write_manifest
+from pipeline.run.step_contract import MANIFEST_NAME, atomic_path, fsync_dir, write_manifest
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,

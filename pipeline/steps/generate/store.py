@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.run.manifest import fsync_dir
+from pipeline.run.step_contract import fsync_dir
 from pipeline.steps.generate.json_text import loads
 
 _CHUNK = 1 << 20

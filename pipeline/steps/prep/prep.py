@@ -1,7 +1,7 @@
 """``eyrie prep``: a catalog of sources in, ``prompts.jsonl`` + native conversations + native tokens out.
 
 Sources run in parallel worker processes, as many as the step's memory budget
-holds (``memory_budget().available // --worker-memory``, at most one per CPU);
+holds (``pipeline.memory.plan_workers``: the budget over ``--worker-memory``, at most one per CPU);
 workers left over once every source has one read slices of the sources without a
 quota. Each source (slice) writes its own part; the merge then dedups across
 sources (first source in catalog order wins), shuffles deterministically with the
@@ -29,9 +29,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.memory.budget import memory_budget
+from pipeline.memory.budget import plan_workers
 from pipeline.memory.units import format_size, parse_size
-from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
 from pipeline.steps.prep.sources import (
     POSITION_PREFIX,
@@ -53,23 +53,6 @@ SCHEMA_PROBE_ROWS = 100
 console = Console(stderr=True)
 if not console.is_terminal:  # logs: wide enough that the counts table keeps one line per source
     console.width = max(console.width, 150)
-
-
-def plan_workers(tasks: int, worker_memory: int, requested: int | None) -> tuple[int, dict]:
-    """How many worker processes run at once: what the memory budget holds, at most one per CPU
-    (and per task)."""
-    budget = memory_budget()
-    by_memory = max(1, budget.available // worker_memory)
-    cpus = len(os.sched_getaffinity(0))
-    workers = max(1, min(tasks, cpus, by_memory, requested or tasks))
-    facts = {
-        "workers": workers,
-        "worker_memory": worker_memory,
-        "budget_available": budget.available,
-        "budget_binding": budget.binding,
-        "cpus": cpus,
-    }
-    return workers, facts
 
 
 def plan_slices(catalog: Catalog, workers: int) -> dict[str, int]:

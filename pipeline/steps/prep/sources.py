@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.manifest import atomic_path
+from pipeline.run.step_contract import atomic_path
 from pipeline.steps.prep.adapters import (
     ADAPTERS,
     Conversation,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.run.manifest import atomic_path
+from pipeline.run.step_contract import atomic_path
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.sglang import SGLangError, gpus_released
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.model import check_draftable

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from pipeline.run.manifest import atomic_path
+from pipeline.run.step_contract import atomic_path
 from pipeline.steps.train.model import Eagle3Draft, aux_layer_ids
 
 WEIGHTS = "model.safetensors"

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.memory.units import format_size
-from pipeline.run.manifest import atomic_path, atomic_write_text
+from pipeline.run.step_contract import atomic_path, atomic_write_text
 from pipeline.steps.train.data import Example, collate
 
 INDEX = "index.json"

@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyrie_testing import eyrie
-from pipeline.run.manifest import read_manifest
+from pipeline.run.step_contract import read_manifest
 from pipeline.steps.accept.accept import Settings, _server_run
 from pipeline.steps.sglang import SGLangError, Speculation, gpus_released
 from pipeline.steps.train.export import export_draft

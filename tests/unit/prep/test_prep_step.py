@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.run.manifest import check_manifest, read_manifest
+from pipeline.run.step_contract import check_manifest, read_manifest
 from pipeline.steps.prep.catalog import load_catalog
-from pipeline.steps.prep.prep import OUTPUTS, plan_workers, prep
+from pipeline.steps.prep.prep import OUTPUTS, prep
 
 SAMPLES = Path(__file__).resolve().parents[3] / "pipeline" / "embedded" / "samples"
 
@@ -203,13 +203,6 @@ def test_offline_without_a_local_file_is_refused_before_any_work(tmp_path, capsy
     err = " ".join(capsys.readouterr().err.split())
     assert "source 'hub': --offline needs a local file" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_workers_fit_the_memory_budget():
-    assert plan_workers(10, 1 << 60, None)[0] == 1  # one worker needs more than there is: run one at a time
-    workers, facts = plan_workers(10, 1, None)
-    assert workers == min(10, facts["cpus"]) and facts["budget_available"] > 0
-    assert plan_workers(10, 1, 1)[0] == 1
 
 
 def test_default_catalog_lists_ten_sources_with_samples():

@@ -14,9 +14,9 @@ import yaml
 from pipeline.memory import Budget
 from pipeline.run.executor import ExecutorError, Launch, Outcome, StepOptions
 from pipeline.run.ledger import Ledger
-from pipeline.run.manifest import MANIFEST_NAME
 from pipeline.run.orchestrator import Orchestrator, RunResult
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
+from pipeline.run.step_contract import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
 

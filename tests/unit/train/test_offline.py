@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.run.manifest import check_manifest, read_manifest
+from pipeline.run.step_contract import check_manifest, read_manifest
 from pipeline.steps.train import offline
 from pipeline.steps.train.data import Example
 from pipeline.steps.train.features import OnlineTarget

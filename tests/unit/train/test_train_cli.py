@@ -11,7 +11,7 @@ import torch.distributed.launcher.api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from transformers import LlamaConfig
 
-from pipeline.run.manifest import read_manifest
+from pipeline.run.step_contract import read_manifest
 from pipeline.steps.train import cli
 from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
 from pipeline.steps.train.train import TrainConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pipeline.steps.prep.pieces import Pieces
+from pipeline.steps.tokenize.pieces import Pieces
 
 
 def test_edges_touching_added_tokens_cut_into_pieces_of_one_mask_value(kimi_tokenizer):

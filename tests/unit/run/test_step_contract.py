@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from pipeline.run.manifest import atomic_path, check_manifest, manifest_digest, read_manifest, write_manifest
+from pipeline.run.step_contract import (
+    atomic_path,
+    check_manifest,
+    manifest_digest,
+    read_manifest,
+    write_manifest,
+)
 
 
 def test_manifest_round_trip_and_tamper_detection(tmp_path):

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run.manifest import check_manifest, read_manifest
-from pipeline.steps.prep.tokenize import tokenize
+from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.steps.tokenize.tokenize import tokenize
 
 
 def shards(out: Path) -> pa.Table:
@@ -166,7 +166,7 @@ def test_a_killed_worker_fails_the_step_without_shards(
     import os
     import signal
 
-    from pipeline.steps.prep.tokenize import Tokenizer
+    from pipeline.steps.tokenize.tokenize import Tokenizer
 
     # Workers are forked, so they inherit the patched method: the first batch kills its worker.
     monkeypatch.setattr(Tokenizer, "encode_lines", lambda *_: os.kill(os.getpid(), signal.SIGKILL))

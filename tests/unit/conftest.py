@@ -9,7 +9,7 @@ import pytest
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.prep import prep
 from pipeline.steps.prep.sources import part_records, prepare_source
-from pipeline.steps.prep.tokenize import KIMI_K2_SPECIAL_TOKENS
+from pipeline.steps.tokenize.tokenize import KIMI_K2_SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="session")

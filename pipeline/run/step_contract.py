@@ -1,13 +1,14 @@
-"""The step contract's output side: atomic writes and the manifest that says "outputs complete".
+"""The step contract: what every step is given and what it must leave, whatever runs it.
 
-A step first removes the manifest of an earlier attempt (``invalidate_manifest``),
-writes each output through a temporary name and renames it into place
-(``atomic_path``), then writes ``manifest.json`` in its step directory
-(``write_manifest``; a plain command runs ``eyrie manifest OUTPUT…``). Outputs
-are complete when the manifest exists and every file it lists still has the
-recorded size and sha256 (``check_manifest``). The runner passes the step's
-input fingerprint in ``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a
-rerun can tell whether the inputs changed.
+A step runs in its own directory and finds its place in the environment the runner sets
+(``EYRIE_RUN_DIR``, ``EYRIE_STEP_DIR``, ``EYRIE_STEP_NAME``, ``EYRIE_PIPELINE_DIR``). It
+first removes the manifest of an earlier attempt (``invalidate_manifest``), writes each
+output through a temporary name and renames it into place (``atomic_path``), then writes
+``manifest.json`` in its step directory (``write_manifest``; a plain command runs ``eyrie
+manifest OUTPUT…``). Outputs are complete when the manifest exists and every file it lists
+still has the recorded size and sha256 (``check_manifest``). The runner passes the step's
+input fingerprint in ``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a rerun can
+tell whether the inputs changed.
 """
 
 from __future__ import annotations

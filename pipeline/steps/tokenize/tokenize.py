@@ -40,13 +40,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.memory.units import parse_size
-from pipeline.run.manifest import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
+from pipeline.memory import parse_size, plan_workers
+from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.adapters import Tokenized, kimi_tool_call_ids
-from pipeline.steps.prep.pieces import Pieces
-from pipeline.steps.prep.prep import plan_workers
 from pipeline.steps.prep.sources import POSITION_PREFIX, record_id, tokenized_key, tokenized_schema
 from pipeline.steps.target import TargetError, load_tokenizer
+from pipeline.steps.tokenize.pieces import Pieces
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
