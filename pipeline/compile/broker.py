@@ -9,7 +9,8 @@ a cgroup of its own or record its peak; an OOM-killed job fails ninja's whole
 build; and it needs MAX_JOBS non-numeric (else torch passes ``-j`` and ninja
 ignores the jobserver). The wrapper sees the job's command line (source file,
 archs, ``--threads``), so it admits by that job's measured peak, runs it under
-the spine's local executor (own cgroup, limit = its reservation, peak and wall
+an executor taken by name from ``pipeline.run.EXECUTORS``, as the runner takes its
+own (by default the local one: own cgroup, limit = its reservation, peak and wall
 time into the ledger) and re-runs it after an OOM kill before ninja sees any
 failure. flash-attn's own limiter is skipped because MAX_JOBS is set; MAX_JOBS
 only says how many stand-ins wait at once — the scheduler's look-ahead.
@@ -41,10 +42,9 @@ from pipeline.compile.profile import JobKey, Profile, parse_nvcc_argv
 from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job, ShapeWatch
 from pipeline.compile.unconfined import UnconfinedExecutor, tree_anon_bytes
 from pipeline.memory import Cgroup, CgroupError, CgroupV2, format_size, read_meminfo, step_parent
-from pipeline.run.executor import Launch, Outcome
+from pipeline.run.executor import Launch, Outcome, executor_class
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.ledger import Ledger
-from pipeline.run.local import LocalExecutor
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict, decide
 
 WRAPPER = Path(__file__).with_name("nvcc_wrapper.py")
@@ -84,7 +84,11 @@ class BuildBroker:
 
     def __init__(self, *, nvcc: str, nvcc_version: str, package: str, profile: Profile, budget: int,
                  cpu_slots: int, run_dir: Path, run_id: str | None = None,
-                 cxx_standard: str | None = None) -> None:  # fmt: skip
+                 cxx_standard: str | None = None, executor: str = "local") -> None:  # fmt: skip
+        """``executor``: the name of the executor that runs each job, given the build's cgroup as the
+        parent of the jobs' own; where no cgroup can be created (inside ``docker build``) jobs run as
+        plain process trees instead (``unconfined.py``)."""
+        self.executor_class = executor_class(executor)  # an unknown name is said before anything starts
         self.nvcc = nvcc
         self.package = package
         self.cxx_standard = cxx_standard  # replaces a -std=c++17 the build asks for
@@ -115,7 +119,7 @@ class BuildBroker:
             self.cgroup.set_limit(self.budget)
             if isinstance(self.cgroup, CgroupV2):
                 self.cgroup.enable_memory_for_children()
-            self.executor = LocalExecutor(parent=self.cgroup)
+            self.executor = self.executor_class(parent=self.cgroup)
             self.confinement = f"each job in its own cgroup under {self.cgroup.path}"
         except CgroupError as exc:
             if self.cgroup is not None:
