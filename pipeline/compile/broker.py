@@ -44,7 +44,7 @@ from pipeline.compile.unconfined import UnconfinedExecutor, tree_anon_bytes
 from pipeline.memory import Cgroup, CgroupError, CgroupV2, format_size, read_meminfo, step_parent
 from pipeline.run.executor import Launch, Outcome, executor_class
 from pipeline.run.host_sampler import HostSampler
-from pipeline.run.ledger import Ledger
+from pipeline.run.ledger import Ledger, RunState
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict, decide
 
 WRAPPER = Path(__file__).with_name("nvcc_wrapper.py")
@@ -158,7 +158,7 @@ class BuildBroker:
             self._server.server_close()
         failed = exc[0] is not None or self.fatal is not None or bool(self.report().failed)
         self.host.stop()
-        self.ledger.end_run(self.run_id, "failed" if failed else "succeeded")
+        self.ledger.end_run(self.run_id, RunState.FAILED if failed else RunState.SUCCEEDED)
         self.ledger.close()
         if self.cgroup is not None:
             self.cgroup.remove()

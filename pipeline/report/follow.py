@@ -29,12 +29,11 @@ from rich.text import Text
 from pipeline.memory import cgroup_at, format_duration, format_size
 from pipeline.report.status import VERDICT_STYLE, open_ledger, unreadable, wide_console
 from pipeline.run.layout import attempt_logs
-from pipeline.run.ledger import Ledger
+from pipeline.run.ledger import Ledger, RunState, StepState
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0
 TAIL_BYTES = 8192  # enough of a log's end to hold its last line
-RUN_EXIT = {"succeeded": 0, "cancelled": 130}  # as `eyrie run` exits; any other end is 1
 
 
 @dataclass
@@ -104,7 +103,7 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
     if last is not None:
         host = {"mem_total": last.mem_total, "mem_available": last.mem_available,
                 "available": last.available, "in_use": last.in_use}  # fmt: skip
-    ended, note = run["state"] != "running", None
+    ended, note = run["state"] != RunState.RUNNING, None
     if not ended and run["host"] == socket.gethostname() and not _alive(run["orchestrator_pid"]):
         ended, note = True, f"the runner (pid {run['orchestrator_pid']}) is gone; the run did not end cleanly"
     reserved = sum(s.limit_bytes or 0 for s in steps if s.verdict is None and s.attempt is not None)
@@ -142,7 +141,7 @@ def _last_line(*logs: Path) -> str | None:
 
 def render(run: RunView) -> Group:
     """The view as rich renders it: a headline, the host's memory and the budget, one row per step."""
-    state = "ended" if run.ended and run.state == "running" else run.state
+    state = "ended" if run.ended and run.state == RunState.RUNNING else run.state
     style = VERDICT_STYLE.get(state, "cyan")
     head = Text.from_markup(
         f"[bold]eyrie[/] run {escape(run.run_id)} [{style}]{escape(state)}[/] ({escape(run.pipeline)})"
@@ -172,7 +171,7 @@ def render(run: RunView) -> Group:
         # A step waiting for its retry shows that, not the verdict of the attempt before.
         shown = (
             step.state
-            if step.state in ("pending", "running", "skipped", "blocked")
+            if step.state in (StepState.PENDING, StepState.RUNNING, StepState.SKIPPED, StepState.BLOCKED)
             else step.verdict or step.state
         )
         bar: Any = ""
@@ -236,4 +235,4 @@ def _follow(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) 
                 time.sleep(REFRESH_S)
                 current = view(ledger, run_dir)
                 live.update(render(current), refresh=True)
-    return RUN_EXIT.get(current.state, 1)
+    return RunState(current.state).exit_code  # as `eyrie run` exited

@@ -16,11 +16,13 @@ from pipeline.memory import format_duration, format_size
 from pipeline.report.neighbours import neighbours
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
-from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
+from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger, StepState
 from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.step_contract import MANIFEST_NAME, read_manifest
 from pipeline.run.verdict import meaningful
 
+# Steps that have no attempt in the run to show: listed below the attempts with their state.
+NOT_RUN_STATES = (StepState.SKIPPED, StepState.BLOCKED, StepState.PENDING, StepState.CANCELLED)
 VERDICT_STYLE = {
     "succeeded": "green",
     "completed_then_crashed": "yellow",
@@ -184,8 +186,8 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
             state = states.get(step)
             if (
                 state
-                and state["state"] in ("skipped", "blocked", "pending", "cancelled")
-                and (state["state"] != "cancelled" or step not in shown)
+                and state["state"] in NOT_RUN_STATES
+                and (state["state"] != StepState.CANCELLED or step not in shown)
             ):
                 table.add_row(step, "-", f"[dim]{state['state']}[/]", "", "", "", "", "",
                               f"[dim]{escape(state['detail'])}[/]")  # fmt: skip

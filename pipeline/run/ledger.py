@@ -6,6 +6,7 @@ several finishing steps are serialised by one lock around one connection.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
@@ -17,6 +18,39 @@ from pathlib import Path
 from typing import Any
 
 LEDGER_NAME = "ledger.sqlite"
+
+
+class RunState(str, enum.Enum):
+    """How a run stands (the ``runs`` table); ``eyrie run`` exits with its ``exit_code``."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def exit_code(self) -> int:
+        return {RunState.SUCCEEDED: 0, RunState.CANCELLED: 130}.get(self, 1)
+
+
+class StepState(str, enum.Enum):
+    """Where a step of a run stands (the ``step_states`` table)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    SKIPPED = "skipped"
+    """Up to date: its manifest matches its outputs and inputs."""
+    FAILED = "failed"
+    BLOCKED = "blocked"
+    """Not run: a step it needs failed or was cancelled."""
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -195,22 +229,23 @@ class Ledger:
                   budget_bytes: int | None, budget_binding: str | None) -> None:  # fmt: skip
         self._write(
             "INSERT INTO runs (run_id, pipeline, started_at, state, orchestrator_pid, host, executor,"
-            " budget_bytes, budget_binding, steps) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-            (run_id, pipeline, time.time(), os.getpid(), socket.gethostname(), executor,
-             budget_bytes, budget_binding, json.dumps(steps)),
+            " budget_bytes, budget_binding, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, pipeline, time.time(), RunState.RUNNING.value, os.getpid(), socket.gethostname(),
+             executor, budget_bytes, budget_binding, json.dumps(steps)),
         )  # fmt: skip
         for step in steps:
-            self.set_step_state(run_id, step, "pending")
+            self.set_step_state(run_id, step, StepState.PENDING)
 
-    def end_run(self, run_id: str, state: str) -> None:
-        self._write("UPDATE runs SET ended_at = ?, state = ? WHERE run_id = ?", (time.time(), state, run_id))
+    def end_run(self, run_id: str, state: RunState) -> None:
+        ended = RunState(state).value
+        self._write("UPDATE runs SET ended_at = ?, state = ? WHERE run_id = ?", (time.time(), ended, run_id))
 
-    def set_step_state(self, run_id: str, step: str, state: str, detail: str = "") -> None:
+    def set_step_state(self, run_id: str, step: str, state: StepState, detail: str = "") -> None:
         self._write(
             "INSERT INTO step_states (run_id, step, state, detail, updated_at) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (run_id, step) DO UPDATE SET state = excluded.state,"
             " detail = excluded.detail, updated_at = excluded.updated_at",
-            (run_id, step, state, detail, time.time()),
+            (run_id, step, StepState(state).value, detail, time.time()),
         )
 
     def runs(self) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from pipeline.run import EXECUTORS
 from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
-from pipeline.run.ledger import AttemptRow, Ledger
+from pipeline.run.ledger import AttemptRow, Ledger, RunState, StepState
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.step_contract import (
     FINGERPRINT_ENV,
@@ -53,6 +53,8 @@ from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDI
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors: STOP_GRACE_S)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
+# A step in one of these states lets the steps that need it start.
+SETTLED_STATES = frozenset({StepState.DONE, StepState.SKIPPED})
 
 
 class Reporter(Protocol):
@@ -73,11 +75,30 @@ class RunDirBusy(RuntimeError):
 @dataclass
 class RunResult:
     run_id: str
-    state: str  # succeeded | failed | cancelled
+    state: RunState
 
     @property
     def exit_code(self) -> int:
-        return {"succeeded": 0, "cancelled": 130}.get(self.state, 1)
+        return self.state.exit_code
+
+
+@dataclass
+class _StepRun:
+    """One step's bookkeeping in this run."""
+
+    spec: StepSpec
+    argv: list[str]
+    limit: int
+    """The limit of its next attempt: the step's memory, raised after an OOM kill."""
+    limit_reason: str | None = None
+    state: StepState = StepState.PENDING
+    attempts: int = 0
+    """Attempts counted against its ``retries`` (one a scheduler took away is not)."""
+    transient_retries: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 @dataclass
@@ -122,165 +143,181 @@ class Orchestrator:
         self._results: queue.Queue[tuple[_Running, Outcome]] = queue.Queue()
         self._running: dict[str, _Running] = {}
         self._cancel = threading.Event()
+        # Set when the run starts: its ledger, the memory its steps share, each step's bookkeeping.
+        self._ledger: Ledger
+        self._pool = 0
+        self._steps: dict[str, _StepRun] = {}
 
     # -- public ----------------------------------------------------------------------
     def run(self) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self._lock_run_dir():
-            ledger = Ledger(self.run_dir)
+            self._ledger = Ledger(self.run_dir)
             try:
-                return self._run(ledger)
+                return self._run()
             finally:
-                ledger.close()
+                self._ledger.close()
 
     def cancel(self) -> None:
         """Ask the run to stop: running attempts are stopped and recorded as cancelled."""
         self._cancel.set()
 
     # -- the loop ----------------------------------------------------------------------
-    def _run(self, ledger: Ledger) -> RunResult:
-        resumed = self._close_orphans(ledger)
+    def _run(self) -> RunResult:
+        resumed = self._close_orphans()
         budget = self.executor.memory_budget()
-        pool = min(budget.available, self.spec.budget or budget.available)
-        binding = budget.binding if pool == budget.available else "the pipeline's budget"
+        self._pool = min(budget.available, self.spec.budget or budget.available)
+        binding = budget.binding if self._pool == budget.available else "the pipeline's budget"
+        self._check_before_start(binding)
+        argvs = {s.name: self._expand(s) for s in self.spec.steps}
+        ordered = self.spec.order()
+        self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
+        self._ledger.start_run(
+            self.run_id, str(self.pipeline_path), self.executor.name, list(self._steps), self._pool, binding
+        )
+        host = HostSampler(self._ledger, self.run_id).start()
+        self.reporter.note(
+            f"run {self.run_id}: {len(ordered)} steps, budget {format_size(self._pool)} (set by {binding}), "
+            f"executor {self.executor.name}"
+        )
+        for running in resumed:
+            step = self._steps[running.step.name]
+            step.attempts, step.limit = 1, running.launch.limit_bytes
+            self._set_state(step, StepState.RUNNING)
+            self._watch(running)
+        try:
+            self._loop()
+        except BaseException as exc:
+            # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
+            self._stop_on_error(f"the run stopped on an error: {exc}")
+            host.stop()
+            self._ledger.end_run(self.run_id, RunState.FAILED)
+            raise
+        for step in self._steps.values():
+            if step.state == StepState.PENDING:  # only when cancelled before it could start
+                self._finish(step, StepState.CANCELLED, "cancelled: the run was cancelled before it started")
+        if self._cancel.is_set():
+            run_state = RunState.CANCELLED
+        elif all(s.state in SETTLED_STATES for s in self._steps.values()):
+            run_state = RunState.SUCCEEDED
+        else:
+            run_state = RunState.FAILED
+        host.stop()
+        self._ledger.end_run(self.run_id, run_state)
+        return RunResult(self.run_id, run_state)
+
+    def _check_before_start(self, binding: str) -> None:
+        """Refuse, before anything starts, what cannot run: a limit above the pool, a missing input,
+        what the executor cannot do."""
         where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
-            if step.memory > pool:
+            if step.memory > self._pool:
                 raise PipelineError(
                     f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
-                    f"exceeds the {format_size(pool)} {where} (set by {binding}); "
+                    f"exceeds the {format_size(self._pool)} {where} (set by {binding}); "
                     "lower it or free memory"
                 )
         for step in self.spec.steps:
             self._check_inputs(step)
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
         self.executor.preflight(self.run_dir, options)
-        argvs = {s.name: self._expand(s) for s in self.spec.steps}
-        order = [s.name for s in self.spec.order()]
-        ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
-        host = HostSampler(ledger, self.run_id).start()
-        self.reporter.note(
-            f"run {self.run_id}: {len(order)} steps, budget {format_size(pool)} (set by {binding}), "
-            f"executor {self.executor.name}"
-        )
-        states = {name: "pending" for name in order}
-        limits = {s.name: s.memory for s in self.spec.steps}
-        limit_reasons: dict[str, str | None] = {name: None for name in order}
-        attempts_made = {name: 0 for name in order}
-        transient_retries = {name: 0 for name in order}
-        for running in resumed:
-            name = running.step.name
-            states[name], attempts_made[name] = "running", 1
-            limits[name] = running.launch.limit_bytes
-            ledger.set_step_state(self.run_id, name, "running")
-            self._watch(running)
 
-        def launch_ready() -> None:
-            progress = True
-            while progress and not self._cancel.is_set():
-                progress = False
-                in_use = sum(r.launch.limit_bytes for r in self._running.values())
-                for name in order:
-                    step = self.spec.step(name)
-                    if states[name] != "pending" or not all(
-                        states[n] in ("done", "skipped") for n in step.needs
-                    ):
-                        continue
-                    fingerprint = self._fingerprint(step, argvs[name])
-                    up_to_date, why = self._up_to_date(step, fingerprint)
-                    if up_to_date and attempts_made[name] == 0:
-                        states[name] = "skipped"
-                        ledger.set_step_state(self.run_id, name, "skipped", why)
-                        self.reporter.skipped(name, why)
-                        progress = True
-                        continue
-                    if not self.executor.admits_by_memory and in_use + limits[name] > pool:
-                        continue
-                    attempts_made[name] += 1
-                    self._start(ledger, step, argvs[name], fingerprint, limits[name], limit_reasons[name])
-                    states[name] = "running"
-                    ledger.set_step_state(self.run_id, name, "running")
-                    in_use += limits[name]
-                    progress = True
-
-        def finish(name: str, state: str, detail: str) -> None:
-            states[name] = state
-            ledger.set_step_state(self.run_id, name, state, detail)
-            if state in ("failed", "cancelled"):
-                for dependent in self.spec.dependents(name):
-                    if states[dependent] == "pending":
-                        states[dependent] = "blocked"
-                        why = f"not run: {name} ended {detail.split(':')[0]}"
-                        ledger.set_step_state(self.run_id, dependent, "blocked", why)
-                        self.reporter.blocked(dependent, why)
-
+    def _loop(self) -> None:
+        """Start what is ready, then settle each attempt as it ends, until none runs."""
         stopping = False
-        try:
-            launch_ready()
-            while self._running:
-                try:
-                    running, outcome = self._results.get(timeout=0.2)
-                except queue.Empty:
-                    if self._cancel.is_set() and not stopping:
-                        stopping = True
-                        self._stop_all()
-                    continue
-                del self._running[running.step.name]
-                step = running.step
-                decision = self._record(ledger, running, outcome)
-                name = step.name
-                if decision.verdict in DONE_VERDICTS:
-                    finish(name, "done", str(decision.verdict))
-                elif decision.verdict == Verdict.CANCELLED or self._cancel.is_set():
-                    finish(name, "cancelled", str(decision.verdict))
-                elif decision.verdict in TRANSIENT_VERDICTS and transient_retries[name] < TRANSIENT_RETRIES:
-                    transient_retries[name] += 1
-                    attempts_made[name] -= 1  # not counted against `retries`: nothing was learned
-                    states[name] = "pending"
-                    self.reporter.note(f"{name}: running it again ({decision.verdict}, limit unchanged)")
-                elif decision.verdict in step.retry_on and attempts_made[name] <= step.retries:
-                    new_limit, why = self._next_limit(step, decision.verdict, limits[name], outcome, pool)
-                    if new_limit is None:
-                        finish(name, "failed", f"{decision.verdict}: {why}")
-                    else:
-                        limits[name], limit_reasons[name] = new_limit, why
-                        states[name] = "pending"
-                        self.reporter.note(f"{name}: retrying ({why})")
-                else:
-                    finish(name, "failed", f"{decision.verdict}: {decision.reason}")
-                launch_ready()
-        except BaseException as exc:
-            # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
-            error = f"the run stopped on an error: {exc}"
-            for name, decision in self._stop_and_record(ledger).items():
-                states[name] = "done" if decision.verdict in DONE_VERDICTS else "cancelled"
-                ledger.set_step_state(self.run_id, name, states[name], f"{decision.verdict}: {error}")
-            for name, state in states.items():
-                if state in ("pending", "running"):
-                    states[name] = "cancelled"
-                    ledger.set_step_state(self.run_id, name, "cancelled", f"cancelled: {error}")
-            host.stop()
-            ledger.end_run(self.run_id, "failed")
-            raise
+        self._start_ready()
+        while self._running:
+            try:
+                running, outcome = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if self._cancel.is_set() and not stopping:
+                    stopping = True
+                    self._stop_all()
+                continue
+            del self._running[running.step.name]
+            self._settle(self._steps[running.step.name], self._record(running, outcome), outcome)
+            self._start_ready()
 
-        for name, state in states.items():
-            if state == "pending":  # only when cancelled before it could start
-                finish(name, "cancelled", "cancelled: the run was cancelled before it started")
-        if self._cancel.is_set():
-            run_state = "cancelled"
-        elif all(s in ("done", "skipped") for s in states.values()):
-            run_state = "succeeded"
+    def _start_ready(self) -> None:
+        """Skip the steps that are up to date and start those whose needs are met, while their limits
+        fit the pool (unless the executor's scheduler admits by memory)."""
+        progress = True
+        while progress and not self._cancel.is_set():
+            progress = False
+            in_use = sum(r.launch.limit_bytes for r in self._running.values())
+            for step in self._steps.values():
+                if step.state != StepState.PENDING or not all(
+                    self._steps[n].state in SETTLED_STATES for n in step.spec.needs
+                ):
+                    continue
+                fingerprint = self._fingerprint(step.spec, step.argv)
+                up_to_date, why = self._up_to_date(step.spec, fingerprint)
+                if up_to_date and step.attempts == 0:
+                    self._set_state(step, StepState.SKIPPED, why)
+                    self.reporter.skipped(step.name, why)
+                    progress = True
+                    continue
+                if not self.executor.admits_by_memory and in_use + step.limit > self._pool:
+                    continue
+                step.attempts += 1
+                self._start(step.spec, step.argv, fingerprint, step.limit, step.limit_reason)
+                self._set_state(step, StepState.RUNNING)
+                in_use += step.limit
+                progress = True
+
+    def _settle(self, step: _StepRun, decision: Decision, outcome: Outcome) -> None:
+        """What follows an attempt's verdict: the step is done, cancelled or failed, or it runs again."""
+        verdict = decision.verdict
+        if verdict in DONE_VERDICTS:
+            self._finish(step, StepState.DONE, str(verdict))
+        elif verdict == Verdict.CANCELLED or self._cancel.is_set():
+            self._finish(step, StepState.CANCELLED, str(verdict))
+        elif verdict in TRANSIENT_VERDICTS and step.transient_retries < TRANSIENT_RETRIES:
+            step.transient_retries += 1
+            step.attempts -= 1  # not counted against `retries`: nothing was learned
+            step.state = StepState.PENDING
+            self.reporter.note(f"{step.name}: running it again ({verdict}, limit unchanged)")
+        elif verdict in step.spec.retry_on and step.attempts <= step.spec.retries:
+            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, self._pool)
+            if new_limit is None:
+                self._finish(step, StepState.FAILED, f"{verdict}: {why}")
+            else:
+                step.limit, step.limit_reason = new_limit, why
+                step.state = StepState.PENDING
+                self.reporter.note(f"{step.name}: retrying ({why})")
         else:
-            run_state = "failed"
-        host.stop()
-        ledger.end_run(self.run_id, run_state)
-        return RunResult(self.run_id, run_state)
+            self._finish(step, StepState.FAILED, f"{verdict}: {decision.reason}")
+
+    def _set_state(self, step: _StepRun, state: StepState, detail: str = "") -> None:
+        step.state = state
+        self._ledger.set_step_state(self.run_id, step.name, state, detail)
+
+    def _finish(self, step: _StepRun, state: StepState, detail: str) -> None:
+        """Settle the step; when it failed or was cancelled, the steps waiting for it are blocked."""
+        self._set_state(step, state, detail)
+        if state not in (StepState.FAILED, StepState.CANCELLED):
+            return
+        for name in self.spec.dependents(step.name):
+            dependent = self._steps[name]
+            if dependent.state == StepState.PENDING:
+                why = f"not run: {step.name} ended {detail.split(':')[0]}"
+                self._set_state(dependent, StepState.BLOCKED, why)
+                self.reporter.blocked(name, why)
+
+    def _stop_on_error(self, error: str) -> None:
+        """Stop and record what runs, and cancel what has not ended, giving ``error`` as the reason."""
+        for name, decision in self._stop_and_record().items():
+            state = StepState.DONE if decision.verdict in DONE_VERDICTS else StepState.CANCELLED
+            self._set_state(self._steps[name], state, f"{decision.verdict}: {error}")
+        for step in self._steps.values():
+            if step.state in (StepState.PENDING, StepState.RUNNING):
+                self._set_state(step, StepState.CANCELLED, f"cancelled: {error}")
 
     def _stop_all(self) -> None:
         for r in list(self._running.values()):
             threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
 
-    def _stop_and_record(self, ledger: Ledger) -> dict[str, Decision]:
+    def _stop_and_record(self) -> dict[str, Decision]:
         """Stop every running attempt and record how each ended; those not seen to end within
         STOP_WAIT_S stay 'running' in the ledger, for the next run to end what is left of them."""
         self._stop_all()
@@ -292,7 +329,7 @@ class Orchestrator:
             except queue.Empty:
                 continue
             del self._running[running.step.name]
-            decisions[running.step.name] = self._record(ledger, running, outcome)
+            decisions[running.step.name] = self._record(running, outcome)
         return decisions
 
     # -- one attempt ---------------------------------------------------------------------
@@ -314,15 +351,15 @@ class Orchestrator:
             on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
         )
 
-    def _start(self, ledger: Ledger, step: StepSpec, argv: list[str], fingerprint: str,
-               limit: int, limit_reason: str | None) -> None:  # fmt: skip
+    def _start(self, step: StepSpec, argv: list[str], fingerprint: str, limit: int,
+               limit_reason: str | None) -> None:  # fmt: skip
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
-        attempt = ledger.next_attempt_number(step.name)
+        attempt = self._ledger.next_attempt_number(step.name)
         meminfo = read_meminfo()
         launch = self._launch(step, attempt, argv, fingerprint, limit)
-        attempt_id = ledger.begin_attempt(
+        attempt_id = self._ledger.begin_attempt(
             run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
             limit_bytes=limit, limit_reason=limit_reason, argv=argv,
             host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
@@ -333,13 +370,13 @@ class Orchestrator:
         try:
             handle = self.executor.start(launch)
         except BaseException as exc:
-            ledger.end_attempt(
+            self._ledger.end_attempt(
                 attempt_id, verdict=Verdict.FAILED.value,
                 reason=f"the {self.executor.name} executor could not start it: {exc}",
                 fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])}, timeline=[],
             )  # fmt: skip
             raise
-        ledger.attempt_started(attempt_id, handle.pid, handle.where)
+        self._ledger.attempt_started(attempt_id, handle.pid, handle.where)
         self._watch(_Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at))
 
     @staticmethod
@@ -374,7 +411,7 @@ class Orchestrator:
             runner_error=error,
         )  # fmt: skip
 
-    def _record(self, ledger: Ledger, running: _Running, outcome: Outcome) -> Decision:
+    def _record(self, running: _Running, outcome: Outcome) -> Decision:
         step, step_dir = running.step, running.launch.cwd
         complete, detail = check_manifest(step_dir, step.outputs)
         if not complete and outcome.exit_code == 0 and read_manifest(step_dir) is None:
@@ -389,7 +426,7 @@ class Orchestrator:
         if decision.verdict not in DONE_VERDICTS:
             # e.g. exit 0 after a child's OOM kill: a manifest would let a rerun skip the step.
             (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
-        ledger.end_attempt(
+        self._ledger.end_attempt(
             running.attempt_id,
             verdict=decision.verdict.value,
             reason=decision.reason,
@@ -531,13 +568,13 @@ class Orchestrator:
         fh.flush()
         return _Unlock(fh)
 
-    def _close_orphans(self, ledger: Ledger) -> list[_Running]:
+    def _close_orphans(self) -> list[_Running]:
         """Attempts still 'running' belong to a runner that died. Those the executor can watch
         again (a Slurm job, found by its id) are handed back, to be waited for like any other, when
         their step is unchanged; what is left of the others is ended where the ledger says they ran
         and recorded cancelled. One that cannot be stopped stays 'running', and nothing starts."""
         resumed, stuck = [], []
-        for row in ledger.running_attempts():
+        for row in self._ledger.running_attempts():
             running, why_not = self._resume(row)
             if running is not None:
                 resumed.append(running)
@@ -555,14 +592,14 @@ class Orchestrator:
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
                 f"found at the next run{why_not}, {killed} leftover process(es) killed"
             )
-            ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
+            self._ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
                                fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
             self.reporter.note(f"{row.step} attempt {row.attempt}: {reason}")
         if stuck:
             raise RunDirBusy(f"{self.run_dir} is in use: {'; '.join(stuck)}")
-        latest = ledger.latest_run()
-        if latest and latest["state"] == "running":
-            ledger.end_run(latest["run_id"], "cancelled")
+        latest = self._ledger.latest_run()
+        if latest and latest["state"] == RunState.RUNNING:
+            self._ledger.end_run(latest["run_id"], RunState.CANCELLED)
         return resumed
 
     def _resume(self, row: AttemptRow) -> tuple[_Running | None, str]:
