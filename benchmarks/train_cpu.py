@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
-from pipeline.steps.train.evaluate import real_acceptance
+from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
 
@@ -44,7 +44,7 @@ def main() -> None:
         simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
         started = time.monotonic()
         real = real_acceptance(
-            target, draft, heldout[: args.eval_prompts], cfg.ttt_steps, 64, target.config.eos_token_id
+            target, draft, heldout[: args.eval_prompts], cfg.ttt_steps, 64, eos_ids_of(target)
         )
         decode_s = time.monotonic() - started
     print(
