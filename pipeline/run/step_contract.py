@@ -77,7 +77,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         if tmp.is_file():
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
-        _remove(final)
+        if tmp.is_dir() or final.is_dir():
+            _remove(final)  # a folder cannot be renamed over; a file is swapped in, its name never missing
         os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException:

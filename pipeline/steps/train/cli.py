@@ -110,9 +110,8 @@ def worker(cfg: TrainConfig) -> int:
     built = result["built"]
     setup, draft = built.setup, built.draft.eval()
     export_draft(draft, cfg.out / DRAFT, setup.layer_ids, dtype=setup.dtype)
-    pad_id = setup.config.pad_token_id or 0
     started = time.monotonic()
-    simulated = simulated_acceptance(built.source, draft, setup.heldout, cfg.ttt_steps, pad_id)
+    simulated = simulated_acceptance(built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id)
     prompts = setup.heldout[: cfg.eval_prompts]
     target = target_for_evaluation(cfg, built) if prompts else None
     real = real_acceptance(

@@ -7,7 +7,7 @@ what it measures is how many tokens each target forward yields: the acceptance l
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -89,10 +89,10 @@ def speculative_generate(
     return generated, per_forward
 
 
-def prompt_of(input_ids: list[int], loss_mask: list[int]) -> list[int]:
+def prompt_of(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
     """The tokens before the first assistant token: what the target was asked."""
     first = next(i for i, m in enumerate(loss_mask) if m)
-    return input_ids[:first]
+    return [int(token) for token in input_ids[:first]]  # a list, which decoding extends
 
 
 def real_acceptance(

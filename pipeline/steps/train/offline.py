@@ -24,7 +24,7 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,7 @@ SHARD_BYTES = 256 * 1024**2
 """Features per shard file: large enough to read sequentially, small enough that a kill loses little."""
 
 
-def row_digest(input_ids: list[int]) -> bytes:
+def row_digest(input_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(np.asarray(input_ids, dtype=np.int64).tobytes()).digest()
 
 
@@ -52,12 +52,13 @@ def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
     return 4 * hidden_size * (torch.finfo(dtype).bits // 8)
 
 
-def _shards(rows: list[Example], per_token: int) -> list[list[Example]]:
-    """Consecutive groups of the distinct rows, each at most SHARD_BYTES of features (or one row)."""
+def _shards(rows: Sequence[Example], per_token: int) -> list[list[int]]:
+    """Consecutive groups of the distinct rows (their indices), each at most SHARD_BYTES of features
+    (or one row)."""
     seen: set[bytes] = set()
-    groups: list[list[Example]] = [[]]
+    groups: list[list[int]] = [[]]
     size = 0
-    for row in rows:
+    for i, row in enumerate(rows):
         digest = row_digest(row.input_ids)
         if digest in seen:
             continue
@@ -66,7 +67,7 @@ def _shards(rows: list[Example], per_token: int) -> list[list[Example]]:
         if groups[-1] and size + need > SHARD_BYTES:
             groups.append([])
             size = 0
-        groups[-1].append(row)
+        groups[-1].append(i)
         size += need
     return groups
 
@@ -85,7 +86,7 @@ def _check_disk(folder: Path, tokens: int, hidden_size: int, dtype: torch.dtype)
 
 def write_features(
     hidden: Callable[[torch.Tensor, torch.Tensor, torch.device], tuple[torch.Tensor, torch.Tensor]],
-    rows: list[Example],
+    rows: Sequence[Example],
     folder: Path,
     layer_ids: list[int],
     hidden_size: int,
@@ -103,8 +104,8 @@ def write_features(
     groups = _shards(rows, per_token)
     names = [f"shard-{i:05d}.safetensors" for i in range(len(groups))]
     missing = [i for i, name in enumerate(names) if not (folder / name).is_file()]
-    total = sum(len(r.input_ids) for group in groups for r in group)
-    left = sum(len(r.input_ids) for i in missing for r in groups[i])
+    tokens = [sum(len(rows[r].input_ids) for r in group) for group in groups]
+    total, left = sum(tokens), sum(tokens[i] for i in missing)
     _check_disk(folder, left, hidden_size, dtype)
     log(
         f"features pass: {sum(map(len, groups)):,} rows, {total:,} tokens x {per_token:,} bytes = "
@@ -113,21 +114,22 @@ def write_features(
     )
     started, done = time.monotonic(), 0
     for i in missing:
+        group = [rows[r] for r in groups[i]]
         aux, last = [], []
-        for start in range(0, len(groups[i]), batch_size):
-            part = groups[i][start : start + batch_size]
+        for start in range(0, len(group), batch_size):
+            part = group[start : start + batch_size]
             batch = collate(part, pad_id)
             features, final = hidden(batch["input_ids"], batch["attention_mask"], torch.device("cpu"))
             for j, row in enumerate(part):
                 n = len(row.input_ids)
                 aux.append(features[j, :n].to(dtype))
                 last.append(final[j, :n].to("cpu", dtype))
-        lengths = torch.tensor([len(r.input_ids) for r in groups[i]])
+        lengths = torch.tensor([len(r.input_ids) for r in group])
         tensors = {
             "aux": torch.cat(aux).contiguous(),
             "last": torch.cat(last).contiguous(),
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            "digests": torch.tensor([list(row_digest(r.input_ids)) for r in groups[i]], dtype=torch.uint8),
+            "digests": torch.tensor([list(row_digest(r.input_ids)) for r in group], dtype=torch.uint8),
         }
         with atomic_path(folder / names[i]) as tmp:
             save_file(tensors, tmp)

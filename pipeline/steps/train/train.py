@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.steps.target import load_head, load_model, target_config
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.data import (
-    Example,
+    Rows,
     batch_at,
     collate,
     load_shards,
@@ -173,6 +173,12 @@ def run_key(cfg: TrainConfig, world: int) -> str:
     return _digest(payload)
 
 
+def rows_file(cfg: TrainConfig) -> Path:
+    """The memory-mapped rows of these shards at this length (other shards or lengths get another file)."""
+    payload = {"data": _files_key(cfg.data, "*.parquet"), "max_length": cfg.max_length}
+    return cfg.out / "rows" / f"{_digest(payload)}.arrow"
+
+
 def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) -> Path:
     """The offline features of this target, data, length, layers and dtype (other ones get another folder)."""
     payload = {
@@ -218,9 +224,11 @@ class Setup:
 
     config: Any
     dtype: torch.dtype
-    rows: list[Example]
-    train_rows: list[Example]
-    heldout: list[Example]
+    pad_id: int
+    """What batches are padded with (positions outside the attention and loss masks)."""
+    rows: Rows
+    train_rows: Rows
+    heldout: Rows
     d2t: torch.Tensor
     t2d: torch.Tensor
     layer_ids: list[int]
@@ -254,12 +262,13 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
     config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    rows = load_shards(cfg.data, cfg.max_length)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    rows = load_shards(cfg.data, cfg.max_length, rows_file(cfg))
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
     if not train_rows:
         raise ValueError(f"no training rows with assistant tokens in {cfg.data}")
     vocab = config.vocab_size
-    largest = max(max(r.input_ids) for r in rows)
+    largest = rows.largest_token()
     if largest >= vocab:
         raise ValueError(
             f"token id {largest} in {cfg.data} is outside the target's vocabulary ({vocab}): "
@@ -270,9 +279,9 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     check_layer_ids(layer_ids, config.num_hidden_layers)
     torch.manual_seed(cfg.seed)  # the same initial draft whatever was loaded before it
     draft = Eagle3Draft(draft_config(config, d2t.shape[0], layer_ids))
-    longest = max(len(r.input_ids) for r in rows)  # rows are cut at --max-length
+    longest = int(rows.lengths().max())  # rows are cut at --max-length
     plan = plan_for(cfg, config, draft, dtype, world, longest, devices)
-    return Setup(config, dtype, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
+    return Setup(config, dtype, pad_id, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
 
 
 def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
@@ -290,10 +299,9 @@ def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
         return folder
     target = _load(cfg, setup.dtype, setup.plan.features)
     source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=torch.device("cpu"))
-    pad_id = setup.config.pad_token_id if setup.config.pad_token_id is not None else 0
     write_features(
         source.hidden, setup.rows, folder, setup.layer_ids, setup.config.hidden_size, setup.dtype,
-        cfg.batch_size, pad_id, log,
+        cfg.batch_size, setup.pad_id, log,
     )  # fmt: skip
     del source, target  # the target's memory goes back to the devices before training starts
     gc.collect()
@@ -389,7 +397,6 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     setup, source, draft = built.setup, built.source, built.draft
     train_rows, heldout = setup.train_rows, setup.heldout
     device = torch.device(setup.plan.draft_device)
-    pad_id = setup.config.pad_token_id if setup.config.pad_token_id is not None else 0
 
     per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -411,7 +418,7 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     started, tokens_seen, last = time.monotonic(), 0, {}
     for step in range(start, total):
-        batch = collate(batch_at(train_rows, step, cfg.batch_size, cfg.seed, rank, world), pad_id)
+        batch = collate(batch_at(train_rows, step, cfg.batch_size, cfg.seed, rank, world), setup.pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast:
             teacher = source(batch["input_ids"], batch["attention_mask"])

@@ -1,7 +1,9 @@
 import json
+import os
 
 import pytest
 
+from pipeline.run import step_contract
 from pipeline.run.step_contract import (
     atomic_path,
     check_manifest,
@@ -52,3 +54,21 @@ def test_atomic_path_leaves_nothing_on_failure(tmp_path):
         tmp.write_text(json.dumps({"ok": True}))
     assert json.loads(target.read_text()) == {"ok": True}
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_a_file_written_over_another_is_swapped_in_so_its_name_never_goes_missing(tmp_path, monkeypatch):
+    """Processes that write the same file at once (e.g. the ranks that convert training rows) may
+    be opening it meanwhile: they find the old file or the new one, never none."""
+    target = tmp_path / "rows.arrow"
+    target.write_text("old")
+    there = []
+
+    def replace(source, destination):
+        there.append(target.read_text())
+        os.rename(source, destination)
+
+    monkeypatch.setattr(step_contract.os, "replace", replace)
+    with atomic_path(target) as tmp:
+        tmp.write_text("new")
+    assert there == ["old"]
+    assert target.read_text() == "new"
