@@ -12,9 +12,9 @@ from rich.console import Console
 
 from pipeline.memory.units import parse_duration
 from pipeline.run.step_contract import step_dir_from_env
-from pipeline.steps.generate.client import Retry
+from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
 from pipeline.steps.generate.conversation import MODES
-from pipeline.steps.generate.driver import EXIT_BAD_INPUT, GenerateConfig, Sampling, generate
+from pipeline.steps.generate.driver import EXIT_BAD_INPUT, generate
 from pipeline.steps.generate.serve import ServeError, transformers_serve
 
 TARGET_URL_ENV = "EYRIE_TARGET_URL"

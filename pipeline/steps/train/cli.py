@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.sglang import SGLangError, gpus_released
 from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.model import check_draftable
-from pipeline.steps.train.train import TrainConfig
 
 DRAFT = "draft"
 EVAL = "eval.json"
