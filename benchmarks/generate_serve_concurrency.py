@@ -22,7 +22,8 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeline.embedded.tiny import ensure_tiny_target, sample_conversations
-from pipeline.steps.generate.driver import GenerateConfig, Sampling, generate
+from pipeline.steps.generate.config import GenerateConfig, Sampling
+from pipeline.steps.generate.driver import generate
 from pipeline.steps.generate.serve import transformers_serve
 
 

@@ -1,20 +1,63 @@
 """The ``eyrie`` command line.
 
-Each command imports its implementation lazily, so ``eyrie --help`` and the
-light commands stay fast and never pull in torch or transformers.
+Each step's module owns its command and options (``pipeline/steps/*/cli.py``, the build's
+``pipeline/compile/cli.py``); this module adds them, by name, beside the commands that run and
+read pipelines. A step's module is imported only when its command runs (or ``eyrie --help``
+lists it), and every command imports its implementation lazily, so the light commands stay fast
+and none pulls in torch or transformers before it runs.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from pipeline.run import EXECUTORS
 
+STEP_COMMANDS = {
+    "prep": "pipeline.steps.prep.cli:prep",
+    "generate": "pipeline.steps.generate.cli:generate",
+    "tokenize": "pipeline.steps.tokenize.cli:tokenize",
+    "train": "pipeline.steps.train.cli:train",
+    "accept": "pipeline.steps.accept.cli:accept",
+    "build": "pipeline.compile.cli:build_app",
+}
+"""Each step's command in pipeline order, then the build's: ``module:function`` (``:app``: a group)."""
+
+
+def step_command(name: str) -> TyperCommand | TyperGroup:
+    """The command of ``STEP_COMMANDS[name]``, its module imported now."""
+    module, attribute = STEP_COMMANDS[name].split(":")
+    declared = getattr(importlib.import_module(module), attribute)
+    if isinstance(declared, typer.Typer):
+        command: TyperCommand | TyperGroup = typer.main.get_group(declared)
+    else:
+        single = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
+        single.command(name)(declared)
+        command = typer.main.get_command(single)
+    command.name = name
+    return command
+
+
+class EyrieCommands(TyperGroup):
+    """eyrie's own commands, then the steps', each loaded on first use."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return [*super().list_commands(ctx), *(n for n in STEP_COMMANDS if n not in self.commands)]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
+        if cmd_name in STEP_COMMANDS and cmd_name not in self.commands:
+            self.add_command(step_command(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
 app = typer.Typer(
     name="eyrie",
+    cls=EyrieCommands,
     help="An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -33,21 +76,6 @@ ReadRunDir = Annotated[
 ]
 RUNS = Path("runs")
 DEFAULT_RUN_DIR = RUNS / "default"
-# A permission, not a setting of what is computed: a pipeline grants it through the environment.
-TrustRemoteCode = Annotated[
-    bool,
-    typer.Option(
-        "--trust-remote-code",
-        envvar="EYRIE_TRUST_REMOTE_CODE",
-        help="Run the code the target ships (auto_map in its config; Kimi-K2 needs it).",
-    ),
-]
-ReleaseTarget = Annotated[
-    str,
-    typer.Option(
-        help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'.",
-    ),
-]
 
 
 @app.command()
@@ -131,177 +159,6 @@ def manifest(
 
 
 @app.command()
-def prep(
-    catalog: Annotated[
-        Path | None,
-        typer.Option(help="Catalog YAML of sources, or 'default' (the shipped ten-source mix, the default)."),
-    ] = None,
-    offline: Annotated[
-        bool,
-        typer.Option(
-            "--offline/--online",
-            help="Read each source's local 'sample:' file (offline) or the hub and local files (online).",
-        ),
-    ] = False,
-    quota: Annotated[
-        int, typer.Option(min=0, help="At most N records per source; 0: the catalog's own quotas.")
-    ] = 0,
-    out_dir: Annotated[
-        Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
-    ] = None,
-    seed: Annotated[int | None, typer.Option(help="Shuffle seed (default: the catalog's).")] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="At most this many sources at once (default: what memory allows).")
-    ] = None,
-    worker_memory: Annotated[
-        str, typer.Option(help="Memory one source's worker may use; divides the budget into workers.")
-    ] = "512MiB",
-) -> None:
-    """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""
-    from pipeline.steps.prep.prep import prep as run_prep
-
-    raise typer.Exit(
-        run_prep(
-            catalog, out_dir, offline=offline, seed=seed, quota=quota or None, workers=workers,
-            worker_memory=worker_memory,
-        )  # fmt: skip
-    )
-
-
-@app.command()
-def tokenize(
-    tokenizer: Annotated[str, typer.Option(help="The target: a model folder or a hub id (its tokenizer).")],
-    conversations: Annotated[
-        list[Path] | None, typer.Option(help="A conversations .jsonl file (repeatable).")
-    ] = None,
-    tokenized: Annotated[
-        list[Path] | None, typer.Option(help="A pre-tokenized .parquet file (repeatable).")
-    ] = None,
-    chat_template: Annotated[
-        str, typer.Option(help="'tokenizer' (the folder's own), 'kimi-k2', or a .jinja file.")
-    ] = "tokenizer",
-    max_length: Annotated[int, typer.Option(help="Truncate rows to this many tokens.")] = 4096,
-    shard_rows: Annotated[int, typer.Option(help="Rows per parquet shard.")] = 8192,
-    out_dir: Annotated[
-        Path | None, typer.Option(help="Where shards/ goes (default: the step dir, else the cwd).")
-    ] = None,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="Processes rendering and tokenizing (default: what memory allows, one per CPU)."
-        ),
-    ] = None,
-    worker_memory: Annotated[
-        str, typer.Option(help="Memory one worker may use; divides the budget into workers.")
-    ] = "256MiB",
-    trust_remote_code: TrustRemoteCode = False,
-) -> None:
-    """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
-    from pipeline.steps.tokenize.tokenize import tokenize as run_tokenize
-
-    raise typer.Exit(
-        run_tokenize(
-            tokenizer,
-            conversations or [],
-            tokenized or [],
-            out_dir,
-            chat_template=chat_template,
-            max_length=max_length,
-            shard_rows=shard_rows,
-            workers=workers,
-            worker_memory=worker_memory,
-            trust_remote_code=trust_remote_code,
-        )
-    )
-
-
-@app.command()
-def generate(
-    prompts: Annotated[Path, typer.Argument(help="prompts.jsonl from the prep step.")],
-    url: Annotated[
-        list[str] | None, typer.Option(help="OpenAI-compatible server base URL (repeatable).")
-    ] = None,
-    serve: Annotated[
-        Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
-    ] = None,
-    continuous_batching: Annotated[
-        bool, typer.Option(help="With --serve: decode requests in flight together (paged attention).")
-    ] = False,
-    model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
-    mode: Annotated[str, typer.Option(help="'last_turn' or 'all_turns'.")] = "last_turn",
-    concurrency: Annotated[int, typer.Option(help="Requests in flight per server.")] = 32,
-    temperature: Annotated[float, typer.Option()] = 0.7,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    max_tokens: Annotated[int, typer.Option()] = 2048,
-    seed: Annotated[int | None, typer.Option(help="Base seed; each row's seed derives from its id.")] = None,
-    chat_template_kwargs: Annotated[
-        str | None, typer.Option(help="JSON, e.g. '{\"enable_thinking\": true}'.")
-    ] = None,
-    drop_truncated: Annotated[
-        bool, typer.Option(help="Put rows cut by max_tokens in errors.jsonl instead.")
-    ] = False,
-    retry_errors: Annotated[bool, typer.Option(help="Ask the ids in errors.jsonl again.")] = False,
-    restart: Annotated[
-        bool,
-        typer.Option(
-            envvar="EYRIE_GENERATE_RESTART",
-            help="Move earlier rows aside (restarted/) and start over (in a pipeline: the variable, once).",
-        ),
-    ] = False,
-    max_retries: Annotated[
-        int, typer.Option(help="Retries of a transient error while the server is up.")
-    ] = 6,
-    retry_base: Annotated[float, typer.Option(help="First backoff, seconds (doubles).")] = 0.5,
-    max_error_rate: Annotated[
-        float, typer.Option(help="Stop when this share of the last --error-window rows failed (1: never).")
-    ] = 0.5,
-    error_window: Annotated[int, typer.Option(help="Rows the error rate is taken over.")] = 200,
-    request_timeout: Annotated[str, typer.Option()] = "10m",
-    health_timeout: Annotated[
-        str, typer.Option(help="Wait this long for a server to answer /health: at start and in an outage.")
-    ] = "10m",
-    api_key_env: Annotated[str | None, typer.Option(help="Env var holding the API key.")] = "OPENAI_API_KEY",
-    api_key_file: Annotated[Path | None, typer.Option(help="File holding the API key.")] = None,
-    limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = None,
-    out_dir: Annotated[
-        Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
-    ] = None,
-) -> None:
-    """Prompts -> conversations.jsonl through the target model: resumable, retried, never the bottleneck."""
-    from pipeline.steps.generate.cli import generate_command
-
-    raise typer.Exit(
-        generate_command(
-            prompts,
-            urls=url or [],
-            serve=serve,
-            continuous_batching=continuous_batching,
-            model=model,
-            mode=mode,
-            concurrency=concurrency,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            seed=seed,
-            chat_template_kwargs=chat_template_kwargs,
-            drop_truncated=drop_truncated,
-            retry_errors=retry_errors,
-            restart=restart,
-            max_retries=max_retries,
-            retry_base=retry_base,
-            max_error_rate=max_error_rate,
-            error_window=error_window,
-            request_timeout=request_timeout,
-            health_timeout=health_timeout,
-            api_key_env=api_key_env,
-            api_key_file=api_key_file,
-            limit=limit,
-            out_dir=out_dir,
-        )  # fmt: skip
-    )
-
-
-@app.command()
 def provision(
     host: Annotated[
         str | None, typer.Option(help="One host: NAME, USER@NAME or USER@NAME:PORT (SSH).")
@@ -335,166 +192,6 @@ def verify(
     from pipeline.provision.cli import verify_command
 
     raise typer.Exit(verify_command(host, inventory, list(ctx.args)))
-
-
-build_app = typer.Typer(help="Build compiled dependencies under a memory budget.", no_args_is_help=True)
-app.add_typer(build_app, name="build")
-
-
-@build_app.command("flash-attn")
-def build_flash_attn(
-    version: Annotated[str, typer.Option(help="flash-attn release to fetch from PyPI (sdist).")] = "2.8.3",
-    source: Annotated[Path | None, typer.Option(help="An unpacked flash-attn source tree.")] = None,
-    archs: Annotated[str, typer.Option(help="'auto' (this host's GPUs) or e.g. '100;120'.")] = "auto",
-    budget: Annotated[
-        str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size up to what this process has.")
-    ] = "auto",
-    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")] = (
-        "auto"
-    ),
-    out: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(".eyrie/wheels"),
-    run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
-    python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
-    cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
-    headroom: Annotated[str, typer.Option(help="Kept out of an auto budget.")] = "2GiB",
-    cpus: Annotated[
-        int | None, typer.Option(help="CPU slots (default: this process's CPUs; $MAX_JOBS caps the jobs).")
-    ] = None,
-    profile: Annotated[
-        list[Path] | None, typer.Option(help="Extra measured profile JSON (repeatable).")
-    ] = None,
-) -> None:
-    """Build a flash-attn wheel: nvcc jobs admitted by measured peak, each in its own cgroup."""
-    from pipeline.compile.cli import flash_attn_command
-
-    raise typer.Exit(
-        flash_attn_command(
-            version=version,
-            source=source,
-            archs=archs,
-            budget=budget,
-            threads=threads,
-            out=out,
-            run_dir=run_dir,
-            python=python,
-            cuda_home=cuda_home,
-            headroom=headroom,
-            cpus=cpus,
-            profiles=profile or [],
-        )  # fmt: skip
-    )
-
-
-@app.command()
-def train(
-    data: Annotated[Path, typer.Option(help="Tokenized shards (the tokenize step's folder).")],
-    target: Annotated[Path, typer.Option(help="The target: a model folder or a hub id.")],
-    config: Annotated[Path | None, typer.Option(help="YAML of training settings.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output folder (default: the step dir).")] = None,
-    draft_vocab_size: Annotated[int | None, typer.Option(help="Draft vocabulary (default 32000).")] = None,
-    ttt_steps: Annotated[int | None, typer.Option(help="Training-time-test steps K (default 7).")] = None,
-    layer_ids: Annotated[str | None, typer.Option(help="Feature layers, e.g. '1,15,28'.")] = None,
-    lr: Annotated[float | None, typer.Option()] = None,
-    epochs: Annotated[float | None, typer.Option()] = None,
-    max_steps: Annotated[
-        int | None, typer.Option(help="Optimizer steps (overrides epochs; 0: by epochs).")
-    ] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Rows per process per step.")] = None,
-    max_length: Annotated[int | None, typer.Option()] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="Steps between checkpoints.")] = None,
-    heldout_fraction: Annotated[float | None, typer.Option()] = None,
-    eval_prompts: Annotated[int | None, typer.Option(help="Held-out prompts decoded.")] = None,
-    eval_max_new_tokens: Annotated[int | None, typer.Option()] = None,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
-    nproc: Annotated[int | None, typer.Option(help="Processes per node (torchrun).")] = None,
-    nnodes: Annotated[int | None, typer.Option(help="Nodes (torchrun).")] = None,
-    target_placement: Annotated[
-        str | None,
-        typer.Option(help="Where the target lives: auto (default), replicated, sharded or offline."),
-    ] = None,
-    features_dir: Annotated[
-        Path | None,
-        typer.Option(help="Offline placement: the folder of the target's features (OUT/features)."),
-    ] = None,
-    trust_remote_code: TrustRemoteCode = False,
-    release_target: ReleaseTarget = "no",
-) -> None:
-    """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
-    from pipeline.steps.sglang import release_url
-    from pipeline.steps.train.cli import train_command
-
-    ids = layer_ids.split(",") if layer_ids else None  # checked with the other settings
-    raise typer.Exit(
-        train_command(
-            config,
-            data=data,
-            target=target,
-            out=out,
-            draft_vocab_size=draft_vocab_size,
-            ttt_steps=ttt_steps,
-            layer_ids=ids,
-            lr=lr,
-            epochs=epochs,
-            max_steps=max_steps or None,
-            batch_size=batch_size,
-            max_length=max_length,
-            seed=seed,
-            checkpoint_every=checkpoint_every,
-            heldout_fraction=heldout_fraction,
-            eval_prompts=eval_prompts,
-            eval_max_new_tokens=eval_max_new_tokens,
-            threads=threads,
-            nproc=nproc,
-            nnodes=nnodes,
-            target_placement=target_placement,
-            features_dir=features_dir,
-            trust_remote_code=trust_remote_code or None,
-            release_target=release_url(release_target),
-        )  # fmt: skip
-    )
-
-
-@app.command()
-def accept(
-    draft: Annotated[Path, typer.Option(help="The exported draft (the train step's draft/).")],
-    target: Annotated[str, typer.Option(help="The target: a model folder or a hub id.")],
-    data: Annotated[Path, typer.Option(help="The tokenize step's shards (held-out rows are the prompts).")],
-    engine: Annotated[
-        str, typer.Option(help="'sglang' (serve target + draft on the GPUs) or 'chain' (CPU).")
-    ] = "sglang",
-    num_steps: Annotated[int, typer.Option(help="Draft passes per target forward (SGLang's).")] = 3,
-    topk: Annotated[int, typer.Option(help="Branches per draft pass (SGLang's eagle top-k).")] = 1,
-    num_draft_tokens: Annotated[int, typer.Option(help="Tokens verified per target forward.")] = 4,
-    heldout_fraction: Annotated[float, typer.Option(help="The fraction training held out.")] = 0.05,
-    max_length: Annotated[int, typer.Option(help="Row length training used.")] = 2048,
-    prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
-    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,
-    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism: the GPUs it spans (sglang).")] = 1,
-    startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
-    request_timeout: Annotated[str, typer.Option()] = "10m",
-    trust_remote_code: TrustRemoteCode = False,
-    release_target: ReleaseTarget = "no",
-    out_dir: Annotated[
-        Path | None, typer.Option(help="Where accept.json goes (default: the step dir, else the cwd).")
-    ] = None,
-) -> None:
-    """Accept length and output tokens/s of the draft, against the same decoder without it."""
-    from pipeline.memory.units import parse_duration
-    from pipeline.steps.accept.accept import Settings
-    from pipeline.steps.accept.accept import accept as run_accept
-    from pipeline.steps.sglang import Speculation, release_url
-
-    settings = Settings(
-        draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]
-        speculation=Speculation(draft, num_steps, topk, num_draft_tokens),
-        heldout_fraction=heldout_fraction, max_length=max_length, prompts=prompts,
-        max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
-        trust_remote_code=trust_remote_code, release_target=release_url(release_target),
-        startup_timeout_s=parse_duration(startup_timeout), request_timeout_s=parse_duration(request_timeout),
-    )  # fmt: skip
-    raise typer.Exit(run_accept(settings, out_dir))
 
 
 embedded_app = typer.Typer(help="The embedded default: the tiny target and its data.", no_args_is_help=True)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 
 from pipeline.compile.flash_attn import (
+    DEFAULT_HEADROOM,
     DEFAULT_JOB_PEAK_PER_ARCH,
+    FLASH_ATTN_VERSION,
     BuildError,
     Plan,
     auto_threads,
@@ -24,11 +28,41 @@ from pipeline.compile.flash_attn import (
     source_version,
     toolchain,
 )
+from pipeline.memory import format_size
+
+build_app = typer.Typer(
+    help="Build compiled dependencies under a memory budget.", no_args_is_help=True, add_completion=False
+)
 
 
-def flash_attn_command(*, version: str, source: Path | None, archs: str, budget: str, threads: str,
-                       out: Path, run_dir: Path | None, python: str | None, cuda_home: str | None,
-                       headroom: str, cpus: int | None, profiles: list[Path]) -> int:  # fmt: skip
+@build_app.command("flash-attn")
+def build_flash_attn(
+    version: Annotated[
+        str, typer.Option(help="flash-attn release to fetch from PyPI (sdist).")
+    ] = FLASH_ATTN_VERSION,
+    source: Annotated[Path | None, typer.Option(help="An unpacked flash-attn source tree.")] = None,
+    archs: Annotated[str, typer.Option(help="'auto' (this host's GPUs) or e.g. '100;120'.")] = "auto",
+    budget: Annotated[
+        str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size up to what this process has.")
+    ] = "auto",
+    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")] = (
+        "auto"
+    ),
+    out: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(".eyrie/wheels"),
+    run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
+    python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
+    cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
+    headroom: Annotated[
+        str, typer.Option(help="Kept out of an auto budget.")
+    ] = format_size(DEFAULT_HEADROOM),
+    cpus: Annotated[
+        int | None, typer.Option(help="CPU slots (default: this process's CPUs; $MAX_JOBS caps the jobs).")
+    ] = None,
+    profile: Annotated[
+        list[Path] | None, typer.Option(help="Extra measured profile JSON (repeatable).")
+    ] = None,
+) -> None:
+    """Build a flash-attn wheel: nvcc jobs admitted by measured peak, each in its own cgroup."""
     console, err = Console(), Console(stderr=True)
     try:
         arch_set = parse_archs(archs)
@@ -54,18 +88,17 @@ def flash_attn_command(*, version: str, source: Path | None, archs: str, budget:
         if hit is not None:
             console.print(f"cached wheel for {plan.cache_key}: {hit}")
             print(hit)
-            return 0
-        profile = load_profile(arch_set, nvcc_threads, profiles)
+            raise typer.Exit(0)
+        measured = load_profile(arch_set, nvcc_threads, profile or [])
         wheel, report = run_build(
-            plan, out=out, run_dir=run_dir or out / "runs" / plan.cache_key, profile=profile,
+            plan, out=out, run_dir=run_dir or out / "runs" / plan.cache_key, profile=measured,
             log=lambda text: console.print(text, highlight=False),
         )  # fmt: skip
     except BuildError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)  # one line, whatever the width
-        return 1
+        raise typer.Exit(1) from None
     console.print(
         f"built {wheel.name}: {len(report.jobs)} nvcc jobs, {report.oom_kills} OOM kill(s), "
-        f"peak reserved {report.peak_reserved / 2**30:.2f} of {report.budget / 2**30:.2f} GiB"
+        f"peak reserved {format_size(report.peak_reserved, 'GiB')} of {format_size(report.budget, 'GiB')}"
     )
     print(wheel)
-    return 0

@@ -21,14 +21,19 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.compile.broker import BuildBroker, BuildReport
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
 from pipeline.memory import Budget, format_size, memory_budget, parse_size
 from pipeline.run.step_contract import atomic_path
 
+if TYPE_CHECKING:
+    from pipeline.compile.broker import BuildReport
+
+FLASH_ATTN_VERSION = "2.8.3"
+"""The release built by default: the one whose measured profiles ship (``profiles/``)."""
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
 """The architectures flash-attn 2.8.3's setup.py knows (``FLASH_ATTN_CUDA_ARCHS``)."""
 DEFAULT_HEADROOM = 2 * 2**30
@@ -388,6 +393,8 @@ def write_cxx_shim(run_dir: Path, standard: str) -> Path:
 def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
               log=print) -> tuple[Path, BuildReport]:  # fmt: skip
     """Compile and link the wheel; returns its path in the cache and the build's report."""
+    from pipeline.compile.broker import BuildBroker  # the ledger, cgroups, executors: only to build
+
     sources = cuda_sources(plan.source)
     for warning in check_budget(plan, profile, sources):
         log(f"note: {warning}")

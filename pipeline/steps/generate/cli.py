@@ -1,4 +1,5 @@
-"""``eyrie generate``: options to a ``GenerateConfig``, the API key from env or file, a local server."""
+"""``eyrie generate``: its options (defaults from ``GenerateConfig``), the API key from env or
+file, a local server."""
 
 from __future__ import annotations
 
@@ -6,16 +7,15 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from rich.console import Console
+import typer
 
-from pipeline.memory.units import parse_duration
+from pipeline.memory.units import format_duration, parse_duration
 from pipeline.run.step_contract import step_dir_from_env
-from pipeline.steps.generate.client import Retry
+from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
 from pipeline.steps.generate.conversation import MODES
-from pipeline.steps.generate.driver import EXIT_BAD_INPUT, GenerateConfig, Sampling, generate
-from pipeline.steps.generate.serve import ServeError, transformers_serve
+from pipeline.steps.options import OutDir
 
 TARGET_URL_ENV = "EYRIE_TARGET_URL"
 
@@ -35,35 +35,74 @@ def read_api_key(env_name: str | None, key_file: Path | None) -> str | None:
     return None
 
 
-def generate_command(
-    prompts: Path,
-    *,
-    urls: list[str],
-    serve: Path | None,
-    continuous_batching: bool,
-    model: str | None,
-    mode: str,
-    concurrency: int,
-    temperature: float,
-    top_p: float,
-    max_tokens: int,
-    seed: int | None,
-    chat_template_kwargs: str | None,
-    drop_truncated: bool,
-    retry_errors: bool,
-    restart: bool,
-    max_retries: int,
-    retry_base: float,
-    max_error_rate: float,
-    error_window: int,
-    request_timeout: str,
-    health_timeout: str,
-    api_key_env: str | None,
-    api_key_file: Path | None,
-    limit: int | None,
-    out_dir: Path | None,
-) -> int:
+def generate(
+    prompts: Annotated[Path, typer.Argument(help="prompts.jsonl from the prep step.")],
+    url: Annotated[
+        list[str] | None, typer.Option(help="OpenAI-compatible server base URL (repeatable).")
+    ] = None,
+    serve: Annotated[
+        Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
+    ] = None,
+    continuous_batching: Annotated[
+        bool, typer.Option(help="With --serve: decode requests in flight together (paged attention).")
+    ] = False,
+    model: Annotated[
+        str | None, typer.Option(help="Model name (default: the server's first).")
+    ] = GenerateConfig.model,
+    mode: Annotated[str, typer.Option(help=f"{' or '.join(MODES)}.")] = GenerateConfig.mode,
+    concurrency: Annotated[
+        int, typer.Option(help="Requests in flight per server.")
+    ] = GenerateConfig.concurrency,
+    temperature: Annotated[float, typer.Option()] = Sampling.temperature,
+    top_p: Annotated[float, typer.Option()] = Sampling.top_p,
+    max_tokens: Annotated[int, typer.Option()] = Sampling.max_tokens,
+    seed: Annotated[
+        int | None, typer.Option(help="Base seed; each row's seed derives from its id.")
+    ] = Sampling.seed,
+    chat_template_kwargs: Annotated[
+        str | None, typer.Option(help="JSON, e.g. '{\"enable_thinking\": true}'.")
+    ] = None,
+    drop_truncated: Annotated[
+        bool, typer.Option(help="Put rows cut by max_tokens in errors.jsonl instead.")
+    ] = GenerateConfig.drop_truncated,
+    retry_errors: Annotated[
+        bool, typer.Option(help="Ask the ids in errors.jsonl again.")
+    ] = GenerateConfig.retry_errors,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            envvar="EYRIE_GENERATE_RESTART",
+            help="Move earlier rows aside (restarted/) and start over (in a pipeline: the variable, once).",
+        ),
+    ] = GenerateConfig.restart,
+    max_retries: Annotated[
+        int, typer.Option(help="Retries of a transient error while the server is up.")
+    ] = Retry.max_retries,
+    retry_base: Annotated[float, typer.Option(help="First backoff, seconds (doubles).")] = Retry.base_s,
+    max_error_rate: Annotated[
+        float, typer.Option(help="Stop when this share of the last --error-window rows failed (1: never).")
+    ] = GenerateConfig.max_error_rate,
+    error_window: Annotated[
+        int, typer.Option(help="Rows the error rate is taken over.")
+    ] = GenerateConfig.error_window,
+    request_timeout: Annotated[str, typer.Option()] = format_duration(GenerateConfig.request_timeout_s),
+    health_timeout: Annotated[
+        str, typer.Option(help="Wait this long for a server to answer /health: at start and in an outage.")
+    ] = format_duration(GenerateConfig.health_timeout_s),
+    api_key_env: Annotated[str | None, typer.Option(help="Env var holding the API key.")] = "OPENAI_API_KEY",
+    api_key_file: Annotated[Path | None, typer.Option(help="File holding the API key.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = GenerateConfig.limit,
+    out_dir: OutDir = None,
+) -> None:
+    """Prompts -> conversations.jsonl through the target model: resumable, retried, never the bottleneck."""
+    from rich.console import Console
+
+    from pipeline.steps.generate.driver import EXIT_BAD_INPUT
+    from pipeline.steps.generate.driver import generate as run_generation
+    from pipeline.steps.generate.serve import ServeError, transformers_serve
+
     console = Console(stderr=True, soft_wrap=True)
+    urls = url or []
     try:
         if mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -107,11 +146,11 @@ def generate_command(
         )
     except ValueError as exc:
         console.print(f"generate: {exc}", markup=False, highlight=False)
-        return EXIT_BAD_INPUT
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     with contextlib.ExitStack() as stack:
         if serve is not None:
             try:
-                url = stack.enter_context(
+                served = stack.enter_context(
                     transformers_serve(
                         serve,
                         config.out_dir / "serve.log",
@@ -121,7 +160,7 @@ def generate_command(
                 )
             except ServeError as exc:
                 console.print(f"generate: {exc}", markup=False, highlight=False)
-                return EXIT_BAD_INPUT
-            config.urls = [url]
+                raise typer.Exit(EXIT_BAD_INPUT) from None
+            config.urls = [served]
             config.model = config.model or str(serve.resolve())
-        return generate(config, console)
+        raise typer.Exit(run_generation(config, console))

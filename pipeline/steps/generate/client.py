@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from array import array
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from pipeline.steps.generate.config import Retry
 from pipeline.steps.generate.json_text import loads
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -91,18 +91,6 @@ class Server:
     @property
     def up(self) -> bool:
         return self.down_since is None and not self.given_up
-
-
-@dataclass
-class Retry:
-    max_retries: int = 6
-    base_s: float = 0.5
-    cap_s: float = 20.0
-
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        # Full jitter (AWS architecture blog): spreads retries of many workers apart.
-        backoff = random.uniform(0, min(self.cap_s, self.base_s * 2**attempt))
-        return max(backoff, retry_after or 0.0)
 
 
 @dataclass

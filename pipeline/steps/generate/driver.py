@@ -52,9 +52,9 @@ from pipeline.steps.generate.client import (
     HealthTimeout,
     PermanentError,
     RetriesExhausted,
-    Retry,
     ServersDead,
 )
+from pipeline.steps.generate.config import GenerateConfig
 from pipeline.steps.generate.conversation import Mode, Plan, PromptError, output_row
 from pipeline.steps.generate.json_text import loads, not_unicode, utf8_json
 from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
@@ -74,39 +74,6 @@ EXIT_SERVERS_DEAD = 3
 
 def partial_name(final: str) -> str:
     return final.replace(".jsonl", ".partial.jsonl")
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_tokens: int = 2048
-    seed: int | None = None
-
-
-@dataclass
-class GenerateConfig:
-    prompts: Path
-    out_dir: Path
-    urls: list[str]
-    model: str | None = None
-    mode: Mode = "last_turn"
-    concurrency: int = 32
-    sampling: Sampling = field(default_factory=Sampling)
-    chat_template_kwargs: dict[str, Any] | None = None
-    drop_truncated: bool = False
-    retry_errors: bool = False
-    restart: bool = False
-    request_timeout_s: float = 600.0
-    health_timeout_s: float = 600.0
-    """How long to wait for a server to answer ``/health``: at the start, and whenever it stops."""
-    retry: Retry = field(default_factory=Retry)
-    max_error_rate: float = 0.5
-    error_window: int = 200
-    api_key: str | None = None
-    flush_rows: int = 512
-    flush_interval_s: float = 1.0
-    limit: int | None = None
 
 
 class GenerateError(Exception):

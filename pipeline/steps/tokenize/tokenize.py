@@ -66,6 +66,8 @@ DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SHARD_ROWS = 8192
 BATCH = 256
 DEFAULT_WORKER_MEMORY = "256MiB"
+OWN_TEMPLATE = "tokenizer"
+"""``--chat-template`` for the template the tokenizer's folder ships (the default)."""
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Special tokens a template writes literally; each must be ONE token of the tokenizer,
 # or the rendered markup would be split into pieces the target never saw.
@@ -180,7 +182,7 @@ class Rows:
 
 def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
     """``tokenizer`` (the folder's own template), a shipped name (``kimi-k2``) or a ``.jinja`` path."""
-    if choice == "tokenizer":
+    if choice == OWN_TEMPLATE:
         source = tokenizer.chat_template
         if isinstance(source, dict):
             source = source.get("default")
@@ -188,7 +190,7 @@ def load_template(choice: str, tokenizer: Any) -> ChatTemplate:
             raise TokenizeError(
                 "the tokenizer folder has no chat template; pass --chat-template kimi-k2 or a .jinja file"
             )
-        name = "tokenizer"
+        name = OWN_TEMPLATE
     else:
         path = SHIPPED_TEMPLATES.get(choice, Path(choice))
         if not path.is_file():
@@ -551,7 +553,7 @@ def tokenize(
     tokenized: list[Path],
     out_dir: Path | None = None,
     *,
-    chat_template: str = "tokenizer",
+    chat_template: str = OWN_TEMPLATE,
     max_length: int = DEFAULT_MAX_LENGTH,
     shard_rows: int = DEFAULT_SHARD_ROWS,
     workers: int | None = None,

@@ -18,15 +18,17 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Annotated, Any
 
+import typer
 import yaml
 from pydantic import ValidationError
 
 from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.sglang import SGLangError, gpus_released
+from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
+from pipeline.steps.sglang import SGLangError, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
-from pipeline.steps.train.model import check_draftable
-from pipeline.steps.train.train import TrainConfig
+from pipeline.steps.train.config import TrainConfig
 
 DRAFT = "draft"
 EVAL = "eval.json"
@@ -163,6 +165,8 @@ def worker_main(resolved: Path) -> int:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
+    from pipeline.steps.train.model import check_draftable
+
     if not cfg.data.exists():
         raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")
     try:
@@ -292,3 +296,21 @@ def train_command(config_file: Path | None, **overrides) -> int:
     }
     write_manifest(step_dir, outputs, stats=stats)
     return 0
+
+
+@settings_options(TrainConfig)
+def train(
+    config: Annotated[
+        Path | None, typer.Option(help="YAML of these settings (names with _); options given here win.")
+    ] = None,
+    trust_remote_code: TrustRemoteCode = False,
+    release_target: ReleaseTarget = "no",
+    **settings: Any,
+) -> None:
+    """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
+    raise typer.Exit(
+        train_command(
+            config, **settings, trust_remote_code=trust_remote_code or None,
+            release_target=release_url(release_target),
+        )  # fmt: skip
+    )

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.steps.target import load_head, load_model, target_config
 from pipeline.steps.train import checkpoint as ckpt
+from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.data import (
     Rows,
     batch_at,
@@ -55,52 +55,12 @@ from pipeline.steps.train.model import (
 from pipeline.steps.train.offline import FeatureShards, is_complete, write_features
 from pipeline.steps.train.placement import (
     Device,
-    Placement,
     Plan,
     draft_bytes,
     measure_devices,
     target_units,
 )
 from pipeline.steps.train.placement import plan as plan_placement
-
-
-class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    data: Path
-    """The tokenize step's shards (a folder of parquet files)."""
-    target: Path
-    """The target: a Hugging Face model folder, or a hub id (read from the hub's cache)."""
-    trust_remote_code: bool = False
-    """Run the code a target ships (``auto_map`` in its config), as Kimi-K2 needs."""
-    release_target: str | None = None
-    """URL of an SGLang server whose GPU memory training takes meanwhile (``sglang.gpus_released``)."""
-    out: Path = Path(".")
-    draft_vocab_size: int = Field(32000, ge=1)
-    ttt_steps: int = Field(7, ge=1)
-    layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
-    loss_decay: float = 0.8
-    lr: float = Field(1e-4, gt=0)
-    warmup_ratio: float = Field(0.015, ge=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(0.5, gt=0)
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    batch_size: int = Field(1, ge=1)
-    max_length: int = Field(2048, ge=3)  # rows shorter than 3 tokens have nothing to train on
-    seed: int = 0
-    checkpoint_every: int = Field(100, ge=1)
-    log_every: int = Field(10, ge=1)
-    heldout_fraction: float = Field(0.05, ge=0, lt=1)
-    loss_chunk: int = Field(512, ge=1)
-    eval_prompts: int = Field(32, ge=0)
-    eval_max_new_tokens: int = Field(64, ge=1)
-    threads: int | None = Field(None, ge=1)
-    nproc: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1)
-    target_placement: Placement = "auto"
-    features_dir: Path | None = None
-    """Where the offline placement writes the target's features (default: OUT/features)."""
 
 
 class DraftLoss(nn.Module):

@@ -1,0 +1,60 @@
+"""``eyrie accept``: its options, over ``accept.accept``. The held-out rows are the ones training
+held out, so their defaults are training's (``TrainConfig``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.steps.accept.accept import ENGINES
+from pipeline.steps.options import ReleaseTarget, TrustRemoteCode
+from pipeline.steps.train.config import TrainConfig
+
+TRAINED = TrainConfig.model_fields
+
+
+def accept(
+    draft: Annotated[Path, typer.Option(help="The exported draft (the train step's draft/).")],
+    target: Annotated[str, typer.Option(help="The target: a model folder or a hub id.")],
+    data: Annotated[Path, typer.Option(help="The tokenize step's shards (held-out rows are the prompts).")],
+    engine: Annotated[
+        str, typer.Option(help=f"{ENGINES[0]!r} (serve target + draft on the GPUs) or {ENGINES[1]!r} (CPU).")
+    ] = ENGINES[0],
+    num_steps: Annotated[int, typer.Option(help="Draft passes per target forward (SGLang's).")] = 3,
+    topk: Annotated[int, typer.Option(help="Branches per draft pass (SGLang's eagle top-k).")] = 1,
+    num_draft_tokens: Annotated[int, typer.Option(help="Tokens verified per target forward.")] = 4,
+    heldout_fraction: Annotated[
+        float, typer.Option(help="The fraction training held out.")
+    ] = TRAINED["heldout_fraction"].default,
+    max_length: Annotated[
+        int, typer.Option(help="Row length training used.")
+    ] = TRAINED["max_length"].default,
+    prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,
+    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism: the GPUs it spans (sglang).")] = 1,
+    startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
+    request_timeout: Annotated[str, typer.Option()] = "10m",
+    trust_remote_code: TrustRemoteCode = False,
+    release_target: ReleaseTarget = "no",
+    out_dir: Annotated[
+        Path | None, typer.Option(help="Where accept.json goes (default: the step dir, else the cwd).")
+    ] = None,
+) -> None:
+    """Accept length and output tokens/s of the draft, against the same decoder without it."""
+    from pipeline.memory.units import parse_duration
+    from pipeline.steps.accept.accept import Settings
+    from pipeline.steps.accept.accept import accept as run_accept
+    from pipeline.steps.sglang import Speculation, release_url
+
+    settings = Settings(
+        draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]
+        speculation=Speculation(draft, num_steps, topk, num_draft_tokens),
+        heldout_fraction=heldout_fraction, max_length=max_length, prompts=prompts,
+        max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
+        trust_remote_code=trust_remote_code, release_target=release_url(release_target),
+        startup_timeout_s=parse_duration(startup_timeout), request_timeout_s=parse_duration(request_timeout),
+    )  # fmt: skip
+    raise typer.Exit(run_accept(settings, out_dir))
