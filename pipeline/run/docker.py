@@ -321,6 +321,7 @@ class DockerExecutor:
     name = "docker"
     Options = DockerOptions
     admits_by_memory = False
+    detached = False
 
     def __init__(self, options: DockerOptions | None = None, client: docker.DockerClient | None = None,
                  image: str | None = None) -> None:  # fmt: skip

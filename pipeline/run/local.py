@@ -102,6 +102,7 @@ class LocalExecutor:
     name = "local"
     Options = StepOptions
     admits_by_memory = False
+    detached = False
 
     def __init__(self, options: StepOptions | None = None, parent: Cgroup | None = None) -> None:
         self.parent = parent or step_parent()
