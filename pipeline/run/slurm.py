@@ -111,12 +111,31 @@ SHARED_FILESYSTEMS = frozenset({
     "nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
     "panfs", "wekafs", "fuse.juicefs", "cifs", "smb3", "virtiofs", "9p",
 })  # fmt: skip
-# What eyrie sets on every job itself: refused in `sbatch_args`, where they would fight it.
+# What eyrie sets on every job itself (or what would fight it): refused in `sbatch_args`, in full,
+# abbreviated (sbatch takes any unambiguous prefix of a long option) or, short, with its value
+# attached (-N2).
 MANAGED_SBATCH_OPTIONS = (
-    "--mem", "--output", "-o", "--error", "-e", "--chdir", "-D", "--job-name", "-J", "--parsable",
-    "--wrap", "--array", "-a", "--export", "--requeue", "--no-requeue", "--open-mode", "--time", "-t",
-    "--nodes", "-N", "--partition", "-p", "--account", "-A", "--cpus-per-task", "-c", "--gres",
+    "--mem", "--mem-per-cpu", "--mem-per-gpu", "--output", "--error", "--chdir", "--job-name",
+    "--parsable", "--wrap", "--array", "--export", "--export-file", "--requeue", "--no-requeue",
+    "--open-mode", "--time", "--nodes", "--partition", "--account", "--cpus-per-task", "--gres",
+    "--gpus", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket",
 )  # fmt: skip
+MANAGED_SHORT_SBATCH_OPTIONS = ("-o", "-e", "-D", "-J", "-a", "-t", "-N", "-p", "-A", "-c", "-G")
+
+
+def managed_sbatch_option(arg: str) -> str | None:
+    """The option eyrie sets that ``arg`` would set, or None."""
+    if arg.startswith("--"):
+        name = arg.split("=", 1)[0]
+        if len(name) < 3:
+            return None
+        if name in MANAGED_SBATCH_OPTIONS:
+            return name
+        abbreviated = [option for option in MANAGED_SBATCH_OPTIONS if option.startswith(name)]
+        return f"{name} (short for {' or '.join(abbreviated)})" if abbreviated else None
+    if arg.startswith("-") and arg[:2] in MANAGED_SHORT_SBATCH_OPTIONS:
+        return arg[:2]
+    return None
 
 
 class SlurmOptions(StepOptions):
@@ -143,8 +162,7 @@ class SlurmOptions(StepOptions):
     @classmethod
     def _not_managed(cls, args: list[str]) -> list[str]:
         for arg in args:
-            name = arg.split("=", 1)[0]
-            if name in MANAGED_SBATCH_OPTIONS:
+            if (name := managed_sbatch_option(arg)) is not None:
                 raise ValueError(
                     f"{name} is set by eyrie (memory, time, partition, account, nodes, cpus and gpus "
                     "have fields of their own); remove it from sbatch_args"

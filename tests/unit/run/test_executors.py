@@ -352,3 +352,26 @@ def test_a_refused_submission_is_one_line_naming_the_step(tmp_path, cluster):
     with pytest.raises(ExecutorError, match=refused) as info:
         slurm.SlurmExecutor().start(launch(tmp_path, SlurmOptions(), env=cluster.env))
     assert not isinstance(info.value, ExecutorUnavailable) and len(cluster.calls("sbatch")) == 1
+
+
+@pytest.mark.parametrize(
+    ("arg", "named"),
+    [("-N2", "-N"), ("-pgpu", "-p"), ("--mem-per-cpu=4G", "--mem-per-cpu"),
+     ("--mem-per-gpu=80G", "--mem-per-gpu"), ("--gpus=8", "--gpus"),
+     ("--gpus-per-node=4", "--gpus-per-node"), ("-G8", "-G"),
+     ("--part=gpu", "--part (short for --partition)"), ("--me=4G", "--me (short for --mem or --mem-per-cpu"),
+     ("--tim=60", "--tim (short for --time)")],
+)  # fmt: skip
+def test_sbatch_args_that_would_set_what_eyrie_sets_are_refused_up_front(tmp_path, arg, named):
+    path = write(tmp_path, f"slurm: {{sbatch_args: [{arg}]}}\nsteps:\n  - name: a\n    command: [true]\n"
+                           "    memory: 64MiB\n")  # fmt: skip
+    with pytest.raises(PipelineError) as info:
+        load_pipeline(path)
+    assert f"{named}" in str(info.value) and "is set by eyrie" in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_sbatch_args_eyrie_does_not_set_pass_through():
+    args = ["--qos=high", "--constraint=h100", "--begin=now+1hour", "--exclusive", "--mem-bind=local",
+            "--gres-flags=enforce-binding", "--time-min=30", "--nodelist=gpu01", "-q", "high"]  # fmt: skip
+    assert SlurmOptions(sbatch_args=args).sbatch_args == args
