@@ -170,8 +170,10 @@ class Executor(Protocol):
     instead of stopping it; a submission that got no answer is tried again later. False when an
     attempt belongs to the host that started it (a process tree, a container on its engine)."""
 
-    def memory_budget(self) -> Budget:
-        """The memory the steps this executor starts share (what running steps' limits must fit)."""
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
+        """The memory the steps this executor starts share (what running steps' limits must fit);
+        given a step's ``options``, what that step can have (a Slurm step: the largest node of its
+        own partition)."""
 
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """Before anything starts: refuse, with an ExecutorError, what cannot work (``options``: each

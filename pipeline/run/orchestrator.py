@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import CgroupError, format_size, read_meminfo
+from pipeline.memory import Budget, CgroupError, format_size, read_meminfo
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import (
     AttemptStillRunning,
@@ -175,6 +175,7 @@ class Orchestrator:
         self._ledger: Ledger
         self._pool = 0
         self._steps: dict[str, _StepRun] = {}
+        self._step_budgets: dict[str, Budget] = {}
         self._executors: dict[str, Executor] = {executor.name: executor}
         """This run's executor and those that started attempts a dead runner left, by name."""
 
@@ -242,16 +243,30 @@ class Orchestrator:
         what the executor cannot do."""
         where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
-            if step.memory > self._pool:
+            pool, by = self._step_pool(step), binding
+            if pool != self._pool:  # a step on a partition of its own
+                own = self._step_budgets[step.name]
+                by = own.binding if pool == own.available else "the pipeline's budget"
+            if step.memory > pool:
                 raise PipelineError(
                     f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
-                    f"exceeds the {format_size(self._pool)} {where} (set by {binding}); "
-                    "lower it or free memory"
+                    f"exceeds the {format_size(pool)} {where} (set by {by}); lower it or free memory"
                 )
         for step in self.spec.steps:
             self._check_inputs(step)
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
         self.executor.preflight(self.run_dir, options)
+
+    def _step_pool(self, step: StepSpec) -> int:
+        """The most one step's limit may be: the pool, or under a scheduler that admits by memory,
+        what the step's own options (a Slurm partition) give it, within the pipeline's budget."""
+        if not self.executor.admits_by_memory:
+            return self._pool
+        if step.name not in self._step_budgets:
+            options = self.spec.executor_options(self.executor.name, step.name)
+            self._step_budgets[step.name] = self.executor.memory_budget(options)
+        available = self._step_budgets[step.name].available
+        return min(available, self.spec.budget or available)
 
     def _loop(self) -> None:
         """Start what is ready, then settle each attempt as it ends, until none runs."""
@@ -324,7 +339,8 @@ class Orchestrator:
             step.state = StepState.PENDING
             self.reporter.note(f"{step.name}: running it again ({verdict}, limit unchanged)")
         elif verdict in step.spec.retry_on and step.attempts <= step.spec.retries:
-            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, self._pool)
+            pool = self._step_pool(step.spec)
+            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, pool)
             if new_limit is None:
                 self._finish(step, StepState.FAILED, f"{verdict}: {why}")
             else:

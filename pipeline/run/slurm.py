@@ -675,9 +675,11 @@ class SlurmExecutor:
             )
         return nodes
 
-    def memory_budget(self) -> Budget:
-        """What one step can have: the largest node's memory. Slurm admits jobs by their --mem."""
-        partition = self.options.partition or self._default_partition()
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
+        """What one step can have: the largest node's memory in its partition (``options``'s, else
+        the pipeline's, else Slurm's default). Slurm admits jobs by their --mem."""
+        own = options.partition if isinstance(options, SlurmOptions) else None
+        partition = own or self.options.partition or self._default_partition()
         largest = max(memory for _, _, memory in self._nodes({partition})) * 1024 * 1024
         where = f"partition {partition}"
         return Budget(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -471,3 +472,19 @@ def test_a_slurm_job_left_running_where_slurm_cannot_be_reached_is_refused_in_on
     assert "train attempt 1 of an earlier run ran under the slurm executor (slurm job 812)" in str(info.value)
     assert "run again with --executor slurm" in str(info.value)
     assert executor.attempts == []
+
+
+def test_each_slurm_step_is_checked_against_the_nodes_of_its_own_partition(tmp_path, fake_slurm):
+    host = os.uname().nodename
+    fake_slurm.set(partitions={"debug": [["node1", host, 8192]], "fat": [["fat1", host, 65536]]})
+    steps = [
+        {"name": "train", "memory": "32GiB", "slurm": {"partition": "fat"}},  # fits a node of `fat`
+        {"name": "prep", "memory": "16GiB"},  # the default partition's nodes have 8 GiB
+    ]
+    _, path = write_pipeline(tmp_path, steps)
+    runner = Orchestrator(load_pipeline(path), path, tmp_path / "run", slurm.SlurmExecutor(), QuietReporter())
+    with pytest.raises(PipelineError) as info:
+        runner.run()
+    refused = "steps (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
+    assert f"{refused} in Slurm's partition debug" in str(info.value)
+    assert fake_slurm.calls("sbatch") == []
