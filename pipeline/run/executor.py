@@ -88,6 +88,9 @@ class Launch:
     """The step's timeout in seconds; the runner enforces it (a scheduler may be told it too)."""
     options: StepOptions | None = None
     """The executor's own options for this step (its ``Options``), the pipeline's merged with the step's."""
+    step_env: frozenset[str] = frozenset()
+    """The names in ``env`` set for the step (its ``env``, eyrie's variables), not merely inherited
+    from the runner's environment."""
     on_line: LineSink | None = None
 
 

@@ -434,6 +434,7 @@ class Orchestrator:
             argv=argv,
             cwd=self.run_dir / step.name,
             env={**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint},
+            step_env=frozenset({*self._eyrie_env(step), *step.env, FINGERPRINT_ENV}),
             limit_bytes=limit,
             stdout_path=stdout_path,
             stderr_path=stderr_path,

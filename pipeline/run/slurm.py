@@ -43,6 +43,7 @@ still ends. Steps run side by side as far as the cluster admits them.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -120,6 +121,16 @@ MANAGED_SBATCH_OPTIONS = (
     "--open-mode", "--time", "--nodes", "--partition", "--account", "--cpus-per-task", "--gres",
     "--gpus", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket",
 )  # fmt: skip
+# What a job gets of the runner's environment besides the step's own variables (`--export` names
+# them; sbatch would otherwise send the whole environment, API keys and tokens included, into the
+# job's record on the controller). A pipeline adds names or patterns with `slurm: {export: […]}`.
+EXPORTED_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR", "TERM",
+    "PYTHON*", "VIRTUAL_ENV", "CONDA_*", "LD_LIBRARY_PATH", "CUDA_*", "NCCL_*", "NVIDIA_*", "OMP_*",
+    "MKL_*", "TORCH_*", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE",
+    "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN_PATH", "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE", "EYRIE_*",
+)  # fmt: skip
 MANAGED_SHORT_SBATCH_OPTIONS = ("-o", "-e", "-D", "-J", "-a", "-t", "-N", "-p", "-A", "-c", "-G")
 
 
@@ -149,6 +160,9 @@ class SlurmOptions(StepOptions):
     """``--cpus-per-task`` (default: the partition's)."""
     sbatch_args: list[str] = []
     """Further sbatch options, e.g. ``[--qos=high, --constraint=h100]``."""
+    export: list[str] = []
+    """More of the runner's environment for the job, by name or pattern (``[WANDB_*, HTTPS_PROXY]``),
+    beyond what a step needs to run (``EXPORTED_ENV``) and the step's own ``env``."""
     report_wait: float = Field(REPORT_WAIT_S, ge=0)
     """How long to wait, after a job ended, for its in-job report to show on the shared filesystem
     (a duration: ``90s``, ``5m``)."""
@@ -585,12 +599,13 @@ def batch_script(launch: Launch) -> str:
         lines.append(f"exec {shlex.join([*WRAPPER, str(report), '--'])} {step}")
         return "\n".join(lines) + "\n"
     # torchrun's rendezvous (c10d) on the allocation's first node; every node runs one launcher.
+    # srun would pass on only the names sbatch exported (SLURM_EXPORT_ENV), not the rendezvous.
     per_node = f'exec {shlex.join(WRAPPER)} "$0.node-$SLURM_NODEID.json" -- "$@"'
     lines += [
         'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(({RENDEZVOUS_PORT_BASE} + SLURM_JOB_ID % 10000))",
         'export MASTER_ADDR="$first" MASTER_PORT="$port" PET_RDZV_BACKEND=c10d '
-        'PET_RDZV_ENDPOINT="$first:$port" PET_RDZV_ID="$SLURM_JOB_ID"',
+        'PET_RDZV_ENDPOINT="$first:$port" PET_RDZV_ID="$SLURM_JOB_ID" SLURM_EXPORT_ENV=ALL',
         f"exec srun --nodes={options.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"sh -c {shlex.quote(per_node)} {shlex.quote(str(report))} {step}",
     ]
@@ -601,7 +616,8 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     argv = [
         "sbatch", "--parsable", f"--job-name={job_name(launch)}", f"--chdir={launch.cwd}",
         f"--output={launch.stdout_path}", f"--error={launch.stderr_path}", "--open-mode=append",
-        f"--mem={math.ceil(launch.limit_bytes / 2**20)}M", "--no-requeue", "--export=ALL",
+        f"--mem={math.ceil(launch.limit_bytes / 2**20)}M", "--no-requeue",
+        f"--export={','.join(exported_names(launch, options)) or 'NONE'}",
     ]  # fmt: skip
     if launch.timeout is not None:
         argv.append(f"--time={math.ceil((launch.timeout + TIME_LIMIT_MARGIN_S) / 60)}")
@@ -612,6 +628,17 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
         if value is not None:
             argv.append(f"{flag}={value}")
     return [*argv, *options.sbatch_args, str(script)]
+
+def exported_names(launch: Launch, options: SlurmOptions) -> list[str]:
+    """The variables of the launch's environment the job gets: the step's own, and those the
+    runner's environment may pass on (EXPORTED_ENV and the pipeline's ``export``)."""
+    patterns = (*EXPORTED_ENV, *options.export)
+    return sorted(
+        name for name in launch.env
+        if not name.startswith("SLURM_")
+        and (name in launch.step_env or any(fnmatch.fnmatchcase(name, p) for p in patterns))
+    )  # fmt: skip
+
 
 def _mount_of(path: Path) -> tuple[str, str, str]:
     """(mount point, filesystem type, source) of the mount that holds ``path``."""

@@ -167,6 +167,18 @@ def test_the_job_asks_for_the_steps_limit_gpus_time_partition_and_account(tmp_pa
     assert not [a for a in bare if a.startswith(("--time", "--gres", "--partition", "--nodes"))]
 
 
+def test_the_job_gets_the_steps_variables_not_the_runners_secrets(tmp_path):
+    env = {"PATH": "/usr/bin", "HOME": "/home/me", "LC_ALL": "C.UTF-8", "EYRIE_RUN_DIR": "/shared/run",
+           "HF_TOKEN": "hf_secret", "OPENAI_API_KEY": "sk-secret", "AWS_SECRET_ACCESS_KEY": "secret",
+           "WANDB_API_KEY": "wandb", "TRAIN_NOTE": "set by the step", "SLURM_JOB_ID": "41"}  # fmt: skip
+    options = SlurmOptions(export=["WANDB_*"])
+    argv = sbatch_argv(launch(tmp_path, options, env=env, step_env=frozenset({"TRAIN_NOTE"})), tmp_path / "j")
+    (export,) = [a for a in argv if a.startswith("--export")]
+    assert export == "--export=EYRIE_RUN_DIR,HOME,LC_ALL,PATH,TRAIN_NOTE,WANDB_API_KEY"
+    # srun inside the job would pass on only those names: the rendezvous must reach the tasks too
+    assert "SLURM_EXPORT_ENV=ALL" in batch_script(launch(tmp_path, SlurmOptions(nodes=2)))
+
+
 def test_the_batch_script_wraps_the_step_and_uses_srun_when_it_asks_for_nodes(tmp_path):
     single = batch_script(launch(tmp_path, SlurmOptions()))
     assert "-m pipeline.run.container_init" in single
