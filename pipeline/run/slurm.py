@@ -225,8 +225,8 @@ def _asked(*argv: str, patience_s: float | None = None) -> subprocess.CompletedP
         if result.returncode == 0 or not _unreachable(said):
             return result
     raise ExecutorUnavailable(
-        f"the Slurm controller did not answer `{shlex.join(argv[:2])} …` for {patience_s:.0f} s "
-        f"({said}); check `scontrol ping`, then run again"
+        f"the Slurm controller did not answer {shlex.join(argv[:2])} … for {patience_s:.0f} s "
+        f"({said}); check scontrol ping, then run again"
     )
 
 
@@ -431,18 +431,17 @@ class SlurmAttempt:
         executor.watcher.watch(job_id)
 
     def wait(self, timeout: float | None = None) -> Outcome | None:
-        """The outcome once the job ended; None once it has *run* ``timeout`` seconds (queue time
-        does not count)."""
+        """The outcome once the job ended; None once its script has *run* ``timeout`` seconds (time
+        in the queue, or while the node starts the job, does not count)."""
         watcher = self._executor.watcher
         while not watcher.ended(self.job_id):
-            if watcher.state(self.job_id) not in ("PENDING", "CONFIGURING") and self._running_since is None:
-                self._running_since = time.monotonic()
+            if self._running_since is None and watcher.state(self.job_id) not in ("PENDING", "CONFIGURING"):
+                if self._launched():
+                    self._running_since = time.monotonic()
             if timeout is not None and self._running_since is not None:
                 if time.monotonic() - self._running_since >= timeout:
                     return None
             watcher.wait_change(POLL_S)
-        if watcher.state(self.job_id) not in ("PENDING", "CANCELLED") and self._running_since is None:
-            self._running_since = time.monotonic()  # it ran between two looks
         reports = self._await_reports()
         self.finish()
         outcome = self._outcome(reports)
@@ -478,11 +477,21 @@ class SlurmAttempt:
                 continue
         return reports
 
+    def _launched(self) -> bool:
+        """Whether the node started the job's script: Slurm creates its log files first (the folder is
+        listed, so that NFS looks again for names it lately found missing)."""
+        try:
+            names = os.listdir(self.launch.stdout_path.parent)
+        except FileNotFoundError:
+            return False
+        return self.launch.stdout_path.name in names or self.launch.stderr_path.name in names
+
     def _await_reports(self) -> list[dict[str, Any]]:
-        """The job's reports, waited for (``report_wait``) when the job ran: on a shared filesystem
-        a file the node wrote last may show here only later. A job cancelled in the queue wrote none."""
+        """The job's reports, waited for (``report_wait``) when its script started: on a shared
+        filesystem a file the node wrote last may show here only later. A job cancelled before its
+        script started (in the queue, or while its node set it up) wrote none."""
         options = self.launch.options if isinstance(self.launch.options, SlurmOptions) else SlurmOptions()
-        deadline = time.monotonic() + (options.report_wait if self._running_since is not None else 0)
+        deadline = time.monotonic() + (options.report_wait if self._launched() else 0)
         while len(reports := self._reports()) < self._expected_reports() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         return reports

@@ -257,7 +257,7 @@ def test_a_silent_controller_never_makes_a_running_job_look_gone(tmp_path, clust
     cluster.add_job("812", "RUNNING")
     cluster.set(down=True)
     executor = slurm.SlurmExecutor()
-    with pytest.raises(ExecutorUnavailable, match="did not answer `squeue -h"):
+    with pytest.raises(ExecutorUnavailable, match="did not answer squeue -h … for 0 s"):
         executor.resume("slurm job 812", launch(tmp_path, SlurmOptions()))
     with pytest.raises(ExecutorUnavailable, match="did not answer"):
         executor.reap("slurm job 812", None, time.time())
@@ -325,13 +325,30 @@ def test_a_report_and_log_lines_that_show_late_on_the_shared_filesystem_still_de
     assert outcome.stderr_tail[-1] == "MemoryError"
 
 
-def test_a_job_cancelled_in_the_queue_is_not_waited_for(tmp_path, cluster, attempts):
-    cluster.add_job("812", "CANCELLED")  # it never ran: no report will come
+def test_a_job_cancelled_before_its_script_started_is_not_waited_for(tmp_path, cluster, attempts):
+    cluster.add_job("812", "CANCELLED")  # its node never started it (no log file): no report will come
     attempt = slurm.SlurmAttempt(slurm.SlurmExecutor(), launch(tmp_path, SlurmOptions()), "812", time.time())
-    attempt._executor.watcher._states["812"] = "PENDING"  # as the runner last saw it
     began = time.monotonic()
     outcome = attempt.wait()
     assert time.monotonic() - began < 5 and outcome.stopped_by == "cancel"
+
+
+def test_a_steps_timeout_counts_from_when_its_script_starts_not_from_its_allocation(
+    tmp_path, cluster, attempts
+):
+    # RUNNING for the controller while the node still sets the job up (seconds on a busy node)
+    cluster.add_job("812", "RUNNING")
+    attempt_launch = launch(tmp_path, SlurmOptions())
+    attempt = slurm.SlurmAttempt(slurm.SlurmExecutor(), attempt_launch, "812", time.time())
+
+    def script_starts() -> None:  # slurmstepd opens the job's log files, then runs its script
+        attempt_launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        attempt_launch.stdout_path.touch()
+
+    began = time.monotonic()
+    later(1.5, script_starts)
+    assert attempt.wait(timeout=0.5) is None
+    assert time.monotonic() - began >= 2.0  # 1.5 s of setting up, then 0.5 s of running
 
 
 # -- submission ---------------------------------------------------------------------------------
