@@ -418,12 +418,23 @@ def test_a_detached_attempt_the_runner_lost_and_cannot_stop_stays_running(tmp_pa
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch):
+    """A fake of Slurm's commands on PATH; every Slurm executor made meanwhile stops asking at the end."""
     fake = FakeSlurm(tmp_path)
     for name, value in fake.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(slurm, "ANSWER_WAITS_S", (0, 0.05, 0.05))
     monkeypatch.setattr(slurm, "POLL_S", 0.1)
-    return fake
+    made: list[slurm.SlurmExecutor] = []
+    original = slurm.SlurmExecutor.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(slurm.SlurmExecutor, "__init__", init)
+    yield fake
+    for executor in made:
+        executor.watcher.close()
 
 
 def test_a_slurm_job_left_running_is_waited_for_even_by_a_run_of_another_executor(tmp_path, fake_slurm):
