@@ -702,19 +702,24 @@ class Orchestrator:
                     f"and may still run there, where this host ({here}) cannot see it; run again on {host}"
                 )
                 continue
-            running, why_not = self._resume(row, executor)
-            if running is not None:
-                resumed.append(running)
-                self.reporter.note(
-                    f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
-                    f"before it ended; found it again ({running.handle.where}), waiting for it"
-                )
-                continue
             try:
+                running, why_not = self._resume(row, executor)
+                if running is not None:
+                    resumed.append(running)
+                    self.reporter.note(
+                        f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
+                        f"before it ended; found it again ({running.handle.where}), waiting for it"
+                    )
+                    continue
                 killed = executor.reap(row.location, row.pid, row.started_at) if row.location else 0
             except AttemptStillRunning as exc:
                 stuck.append(f"{row.step} attempt {row.attempt} of an earlier run: {exc}")
                 continue
+            except ExecutorError as exc:  # e.g. a controller that does not answer: it may still run
+                raise ExecutorError(
+                    f"{row.step} attempt {row.attempt} of an earlier run ({row.location}) may still run, "
+                    f"and cannot be checked: {exc}"
+                ) from None
             reason = (
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
                 f"found at the next run{why_not}, {killed} leftover process(es) killed"
