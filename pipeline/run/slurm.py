@@ -36,9 +36,15 @@ job id). The attempt's peak is then the largest node's, its OOM kills the sum,
 and its exit status that of the node that failed first.
 
 The runner watches its jobs with one ``squeue`` a second for all of them. A
-step's ``timeout`` counts from the moment its job runs, not while it waits in
-the queue; ``--time`` is set a minute beyond it, so that a job whose runner died
-still ends. Steps run side by side as far as the cluster admits them.
+step's ``timeout`` counts from the moment its job's script starts (Slurm creates
+its log files first), not while it waits in the queue or its node sets it up;
+``--time`` is set a minute beyond it, so that a job whose runner died still
+ends. Steps run side by side as far as the cluster admits them.
+
+A controller that does not answer is asked again, for about a minute, by every
+command; its silence is never taken for an answer ("the job is gone", "no such
+job was submitted"), but raised as an ExecutorUnavailable for the runner to
+wait on or refuse with.
 """
 
 from __future__ import annotations
