@@ -314,6 +314,7 @@ class Orchestrator:
                 if (waiting := step.unsubmitted) is not None:
                     if waiting.due > time.monotonic():
                         continue
+                    step.unsubmitted = None  # until it is handed back again: ended, if _submit raises
                     step.unsubmitted = self._submit(step.spec, waiting.attempt, waiting.attempt_id,
                                                     waiting.launch, waiting.fingerprint, waiting.first_tried)
                 else:

@@ -501,3 +501,17 @@ def test_each_slurm_step_is_checked_against_the_nodes_of_its_own_partition(tmp_p
     refused = "steps (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
     assert f"{refused} in Slurm's partition debug" in str(info.value)
     assert fake_slurm.calls("sbatch") == []
+
+
+def test_a_submission_without_answer_for_too_long_ends_failed_and_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(orchestrator, "SUBMIT_RETRY_S", 0.1)
+    monkeypatch.setattr(orchestrator, "SUBMIT_PATIENCE_S", 0.5)
+
+    def never_answered(launch: Launch) -> FakeAttempt:
+        raise ExecutorUnavailable("step train: the Slurm controller did not answer sbatch for 60 s")
+
+    executor = FakeExecutor({"train": never_answered}, detached=True)
+    with pytest.raises(ExecutorUnavailable):
+        run(tmp_path, [{"name": "train"}], executor)
+    (train,) = ledger_of(tmp_path).attempts()  # one attempt, tried again and again, then given up
+    assert train.verdict == "failed" and "could not start it" in train.reason, train.reason
