@@ -321,6 +321,7 @@ class DockerExecutor:
     name = "docker"
     Options = DockerOptions
     admits_by_memory = False
+    detached = False
 
     def __init__(self, options: DockerOptions | None = None, client: docker.DockerClient | None = None,
                  image: str | None = None) -> None:  # fmt: skip
@@ -376,7 +377,7 @@ class DockerExecutor:
         networks = self._own.attrs["NetworkSettings"]["Networks"]
         return next(iter(networks), None)
 
-    def memory_budget(self) -> Budget:
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
         """What the step containers share: the engine host's MemAvailable.
 
         They run in the engine's cgroups, not under this process's (in the compose

@@ -44,6 +44,11 @@ class ExecutorError(RuntimeError):
     """
 
 
+class ExecutorUnavailable(ExecutorError):
+    """The engine or controller did not answer, though it was asked again for a while: nothing was
+    learned (a job may or may not have been submitted; one that runs, runs on). Worth trying again."""
+
+
 class StepOptions(BaseModel):
     """An executor's per-step options; this base has none (the local executor's)."""
 
@@ -83,6 +88,9 @@ class Launch:
     """The step's timeout in seconds; the runner enforces it (a scheduler may be told it too)."""
     options: StepOptions | None = None
     """The executor's own options for this step (its ``Options``), the pipeline's merged with the step's."""
+    step_env: frozenset[str] = frozenset()
+    """The names in ``env`` set for the step (its ``env``, eyrie's variables), not merely inherited
+    from the runner's environment."""
     on_line: LineSink | None = None
 
 
@@ -132,9 +140,10 @@ class AttemptStillRunning(RuntimeError):
     """What is left of an earlier attempt could not be stopped: its processes outlived SIGKILL
     (uninterruptible sleep, a frozen cgroup) or refused the signal."""
 
-    def __init__(self, pids: list[int], where: str) -> None:
+    def __init__(self, pids: list[int], where: str, message: str | None = None) -> None:
         super().__init__(
-            f"process(es) {', '.join(map(str, pids))} ({where}) still run after SIGKILL and may still "
+            message
+            or f"process(es) {', '.join(map(str, pids))} ({where}) still run after SIGKILL and may still "
             "write its outputs; end them (a frozen cgroup must be thawed), then run again"
         )
         self.pids = pids
@@ -158,9 +167,16 @@ class Executor(Protocol):
     admits_by_memory: bool
     """True when a scheduler admits attempts by their memory (Slurm): the runner then starts every
     ready step, and checks each limit only against ``memory_budget()``, not their sum."""
+    detached: bool
+    """True when an attempt runs on without its runner and any host that reaches the same scheduler
+    finds it again (a Slurm job): a runner error leaves it running, for the next run to resume,
+    instead of stopping it; a submission that got no answer is tried again later. False when an
+    attempt belongs to the host that started it (a process tree, a container on its engine)."""
 
-    def memory_budget(self) -> Budget:
-        """The memory the steps this executor starts share (what running steps' limits must fit)."""
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
+        """The memory the steps this executor starts share (what running steps' limits must fit);
+        given a step's ``options``, what that step can have (a Slurm step: the largest node of its
+        own partition)."""
 
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """Before anything starts: refuse, with an ExecutorError, what cannot work (``options``: each

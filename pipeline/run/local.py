@@ -102,6 +102,7 @@ class LocalExecutor:
     name = "local"
     Options = StepOptions
     admits_by_memory = False
+    detached = False
 
     def __init__(self, options: StepOptions | None = None, parent: Cgroup | None = None) -> None:
         self.parent = parent or step_parent()
@@ -109,22 +110,25 @@ class LocalExecutor:
     def cgroup_for(self, launch: Launch) -> Cgroup:
         return self.parent.child(f"{launch.run_id}-{launch.step}-{launch.attempt}")
 
-    def memory_budget(self) -> Budget:
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
         """Steps run under this process's cgroup: they share what this process really has."""
         return memory_budget()
 
     def reap(self, where: str, pid: int | None, started_at: float) -> int:
         """Kill what is left in the attempt's cgroup, at the path recorded (the runner that starts
         again may run in another cgroup: another SSH session, another systemd scope); where that
-        cgroup is gone, its main process and that process's group, if it is still the same one."""
+        cgroup is gone, its main process's group: the main process too if it is still the same one.
+        (The orchestrator sees first that the ledger's run ran on this host.)"""
         cgroup = self._recorded_cgroup(where)
         if cgroup is not None and cgroup.exists():
             killed = cgroup.kill_all()
             left = _wait_gone(cgroup.procs)
             cgroup.remove()
-        elif pid is not None and _started_within(pid, started_at, PID_START_MATCH_S):
-            # the step was started in a session of its own: its children share its process group
-            members = sorted({pid, *_group_members(pid)})
+        elif pid is not None and (not _alive(pid) or _started_within(pid, started_at, PID_START_MATCH_S)):
+            # The step was started in a session of its own: its children share its process group,
+            # whose id is the main process's pid. Linux gives no new process a pid still in use as
+            # a group's id, so the group's members are the attempt's, even once the main process died.
+            members = sorted({*([pid] if _alive(pid) else []), *_group_members(pid)})
             killed = _kill(members)
             left = _wait_gone(lambda: [p for p in members if _alive(p)])
         else:

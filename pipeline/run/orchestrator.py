@@ -11,13 +11,13 @@ as ``cancelled``.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import math
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -27,9 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import format_size, read_meminfo
+from pipeline.memory import Budget, CgroupError, format_size, read_meminfo
 from pipeline.run import EXECUTORS
-from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome, RunningAttempt
+from pipeline.run.executor import (
+    AttemptStillRunning,
+    Executor,
+    ExecutorError,
+    ExecutorUnavailable,
+    Launch,
+    Outcome,
+    RunningAttempt,
+    executor_class,
+)
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import AttemptRow, Ledger, RunState, StepState
@@ -53,6 +62,8 @@ from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDI
 _MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors: STOP_GRACE_S)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
+SUBMIT_RETRY_S = 60.0  # a submission that got no answer (a detached executor's) is tried again after this
+SUBMIT_PATIENCE_S = 3600.0  # and for this long, before the run stops on it
 # A step in one of these states lets the steps that need it start.
 SETTLED_STATES = frozenset({StepState.DONE, StepState.SKIPPED})
 
@@ -95,6 +106,8 @@ class _StepRun:
     attempts: int = 0
     """Attempts counted against its ``retries`` (one a scheduler took away is not)."""
     transient_retries: int = 0
+    unsubmitted: _Unsubmitted | None = None
+    """Its attempt whose submission got no answer, while it waits to be submitted again."""
 
     @property
     def name(self) -> str:
@@ -110,6 +123,21 @@ class _Running:
     handle: RunningAttempt
     fingerprint: str
     started_at: float
+    detached: bool = False
+    """It runs on without the runner (its executor's ``detached``): a runner error leaves it running."""
+
+
+@dataclass
+class _Unsubmitted:
+    """An attempt a detached executor could not submit for want of an answer: submitted again under
+    the same name (the executor looks for it first) once ``due``, until SUBMIT_PATIENCE_S."""
+
+    attempt: int
+    attempt_id: int
+    launch: Launch
+    fingerprint: str
+    first_tried: float
+    due: float
 
 
 def eyrie_commit() -> str | None:
@@ -147,6 +175,9 @@ class Orchestrator:
         self._ledger: Ledger
         self._pool = 0
         self._steps: dict[str, _StepRun] = {}
+        self._step_budgets: dict[str, Budget] = {}
+        self._executors: dict[str, Executor] = {executor.name: executor}
+        """This run's executor and those that started attempts a dead runner left, by name."""
 
     # -- public ----------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -195,6 +226,7 @@ class Orchestrator:
             raise
         for step in self._steps.values():
             if step.state == StepState.PENDING:  # only when cancelled before it could start
+                self._drop_unsubmitted(step, "the run was cancelled")
                 self._finish(step, StepState.CANCELLED, "cancelled: the run was cancelled before it started")
         if self._cancel.is_set():
             run_state = RunState.CANCELLED
@@ -211,31 +243,51 @@ class Orchestrator:
         what the executor cannot do."""
         where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
-            if step.memory > self._pool:
+            pool, by = self._step_pool(step), binding
+            if pool != self._pool:  # a step on a partition of its own
+                own = self._step_budgets[step.name]
+                by = own.binding if pool == own.available else "the pipeline's budget"
+            if step.memory > pool:
                 raise PipelineError(
                     f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
-                    f"exceeds the {format_size(self._pool)} {where} (set by {binding}); "
-                    "lower it or free memory"
+                    f"exceeds the {format_size(pool)} {where} (set by {by}); lower it or free memory"
                 )
         for step in self.spec.steps:
             self._check_inputs(step)
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
         self.executor.preflight(self.run_dir, options)
 
+    def _step_pool(self, step: StepSpec) -> int:
+        """The most one step's limit may be: the pool, or under a scheduler that admits by memory,
+        what the step's own options (a Slurm partition) give it, within the pipeline's budget."""
+        if not self.executor.admits_by_memory:
+            return self._pool
+        if step.name not in self._step_budgets:
+            options = self.spec.executor_options(self.executor.name, step.name)
+            self._step_budgets[step.name] = self.executor.memory_budget(options)
+        available = self._step_budgets[step.name].available
+        return min(available, self.spec.budget or available)
+
     def _loop(self) -> None:
         """Start what is ready, then settle each attempt as it ends, until none runs."""
         stopping = False
         self._start_ready()
-        while self._running:
+        while self._running or (self._unsubmitted() and not self._cancel.is_set()):
             try:
                 running, outcome = self._results.get(timeout=0.2)
             except queue.Empty:
                 if self._cancel.is_set() and not stopping:
                     stopping = True
                     self._stop_all()
+                elif any(u.due <= time.monotonic() for u in self._unsubmitted()):
+                    self._start_ready()
                 continue
             del self._running[running.step.name]
-            self._settle(self._steps[running.step.name], self._record(running, outcome), outcome)
+            step = self._steps[running.step.name]
+            if outcome is None:
+                self._leave_running(step, running)
+            else:
+                self._settle(step, self._record(running, outcome), outcome)
             self._start_ready()
 
     def _start_ready(self) -> None:
@@ -259,8 +311,18 @@ class Orchestrator:
                     continue
                 if not self.executor.admits_by_memory and in_use + step.limit > self._pool:
                     continue
-                step.attempts += 1
-                self._start(step.spec, step.argv, fingerprint, step.limit, step.limit_reason)
+                if (waiting := step.unsubmitted) is not None:
+                    if waiting.due > time.monotonic():
+                        continue
+                    step.unsubmitted = None  # until it is handed back again: ended, if _submit raises
+                    step.unsubmitted = self._submit(step.spec, waiting.attempt, waiting.attempt_id,
+                                                    waiting.launch, waiting.fingerprint, waiting.first_tried)
+                else:
+                    step.attempts += 1
+                    step.unsubmitted = self._start(step.spec, step.argv, fingerprint, step.limit,
+                                                   step.limit_reason)  # fmt: skip
+                if step.unsubmitted is not None:
+                    continue
                 self._set_state(step, StepState.RUNNING)
                 in_use += step.limit
                 progress = True
@@ -278,7 +340,8 @@ class Orchestrator:
             step.state = StepState.PENDING
             self.reporter.note(f"{step.name}: running it again ({verdict}, limit unchanged)")
         elif verdict in step.spec.retry_on and step.attempts <= step.spec.retries:
-            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, self._pool)
+            pool = self._step_pool(step.spec)
+            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, pool)
             if new_limit is None:
                 self._finish(step, StepState.FAILED, f"{verdict}: {why}")
             else:
@@ -305,35 +368,65 @@ class Orchestrator:
                 self.reporter.blocked(name, why)
 
     def _stop_on_error(self, error: str) -> None:
-        """Stop and record what runs, and cancel what has not ended, giving ``error`` as the reason."""
+        """Stop and record what runs, and cancel what has not ended, giving ``error`` as the reason.
+        A detached attempt (a Slurm job) is not stopped: it runs on, for the next run to find again."""
         for name, decision in self._stop_and_record().items():
             state = StepState.DONE if decision.verdict in DONE_VERDICTS else StepState.CANCELLED
             self._set_state(self._steps[name], state, f"{decision.verdict}: {error}")
         for step in self._steps.values():
-            if step.state in (StepState.PENDING, StepState.RUNNING):
+            if step.name in self._running:
+                where = self._running[step.name].handle.where
+                self._set_state(step, StepState.RUNNING, f"left running ({where}), for the next run: {error}")
+            elif step.state in (StepState.PENDING, StepState.RUNNING):
+                self._drop_unsubmitted(step, error)
                 self._set_state(step, StepState.CANCELLED, f"cancelled: {error}")
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, detached_too: bool = True) -> None:
         for r in list(self._running.values()):
-            threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
+            if detached_too or not r.detached:
+                threading.Thread(target=r.handle.stop, args=("cancel",), daemon=True).start()
 
     def _stop_and_record(self) -> dict[str, Decision]:
-        """Stop every running attempt and record how each ended; those not seen to end within
-        STOP_WAIT_S stay 'running' in the ledger, for the next run to end what is left of them."""
-        self._stop_all()
+        """Stop every running attempt but the detached ones and record how each ended; those not
+        seen to end within STOP_WAIT_S stay 'running' in the ledger, for the next run to end what is
+        left of them (or, detached, to find them again)."""
+        self._stop_all(detached_too=False)
         decisions = {}
         deadline = time.monotonic() + STOP_WAIT_S
-        while self._running and time.monotonic() < deadline:
+        while any(not r.detached for r in self._running.values()) and time.monotonic() < deadline:
             try:
                 running, outcome = self._results.get(timeout=0.2)
             except queue.Empty:
                 continue
             del self._running[running.step.name]
-            decisions[running.step.name] = self._record(running, outcome)
+            if outcome is not None:
+                decisions[running.step.name] = self._record(running, outcome)
         return decisions
 
+    def _unsubmitted(self) -> list[_Unsubmitted]:
+        return [s.unsubmitted for s in self._steps.values() if s.unsubmitted is not None]
+
+    def _drop_unsubmitted(self, step: _StepRun, why: str) -> None:
+        """End the attempt the step waited to submit again: it never ran (as far as anyone knows)."""
+        if (waiting := step.unsubmitted) is None:
+            return
+        step.unsubmitted = None
+        self._ledger.end_attempt(
+            waiting.attempt_id, verdict=Verdict.CANCELLED.value,
+            reason=f"never submitted: the scheduler did not answer, then {why}",
+            fields={"ended_at": time.time()}, timeline=[],
+        )  # fmt: skip
+
+    def _leave_running(self, step: _StepRun, running: _Running) -> None:
+        """An attempt whose end the runner could not see, and that it could not stop: it stays
+        'running' in the ledger, for the next run to find again or end."""
+        where = running.handle.where
+        self.reporter.note(f"{step.name}: lost track of {where} and could not stop it; the next run finds it")
+        self._finish(step, StepState.FAILED, f"left running ({where}): the runner lost track of it")
+
     # -- one attempt ---------------------------------------------------------------------
-    def _launch(self, step: StepSpec, attempt: int, argv: list[str], fingerprint: str, limit: int) -> Launch:
+    def _launch(self, step: StepSpec, attempt: int, argv: list[str], fingerprint: str, limit: int,
+                executor: Executor | None = None) -> Launch:  # fmt: skip
         stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
         return Launch(
             run_id=self.run_id,
@@ -342,17 +435,18 @@ class Orchestrator:
             argv=argv,
             cwd=self.run_dir / step.name,
             env={**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint},
+            step_env=frozenset({*self._eyrie_env(step), *step.env, FINGERPRINT_ENV}),
             limit_bytes=limit,
             stdout_path=stdout_path,
             stderr_path=stderr_path,
             gpus=step.gpus,
             timeout=step.timeout,
-            options=self.spec.executor_options(self.executor.name, step.name),
+            options=self.spec.executor_options((executor or self.executor).name, step.name),
             on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
         )
 
     def _start(self, step: StepSpec, argv: list[str], fingerprint: str, limit: int,
-               limit_reason: str | None) -> None:  # fmt: skip
+               limit_reason: str | None) -> _Unsubmitted | None:  # fmt: skip
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
@@ -366,18 +460,37 @@ class Orchestrator:
             image=self._image(launch), commit_id=self.commit,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
+        return self._submit(step, attempt, attempt_id, launch, fingerprint, time.monotonic())
+
+    def _submit(self, step: StepSpec, attempt: int, attempt_id: int, launch: Launch, fingerprint: str,
+                first_tried: float) -> _Unsubmitted | None:  # fmt: skip
+        """Hand the attempt to the executor. A detached executor's submission that got no answer is
+        handed back, to be tried again later (the step waits, nothing else stops); any other failure
+        ends the attempt and stops the run."""
         started_at = time.time()
         try:
             handle = self.executor.start(launch)
+        except ExecutorUnavailable as exc:
+            if self.executor.detached and time.monotonic() - first_tried < SUBMIT_PATIENCE_S:
+                self.reporter.note(f"{step.name}: {exc}; submitting it again in {SUBMIT_RETRY_S:.0f} s")
+                due = time.monotonic() + SUBMIT_RETRY_S
+                return _Unsubmitted(attempt, attempt_id, launch, fingerprint, first_tried, due)
+            self._end_unstarted(attempt_id, exc)
+            raise
         except BaseException as exc:
-            self._ledger.end_attempt(
-                attempt_id, verdict=Verdict.FAILED.value,
-                reason=f"the {self.executor.name} executor could not start it: {exc}",
-                fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])}, timeline=[],
-            )  # fmt: skip
+            self._end_unstarted(attempt_id, exc)
             raise
         self._ledger.attempt_started(attempt_id, handle.pid, handle.where)
-        self._watch(_Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at))
+        self._watch(_Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at,
+                             self.executor.detached))  # fmt: skip
+        return None
+
+    def _end_unstarted(self, attempt_id: int, exc: BaseException) -> None:
+        self._ledger.end_attempt(
+            attempt_id, verdict=Verdict.FAILED.value,
+            reason=f"the {self.executor.name} executor could not start it: {exc}",
+            fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])}, timeline=[],
+        )  # fmt: skip
 
     @staticmethod
     def _image(launch: Launch) -> str | None:
@@ -400,10 +513,14 @@ class Orchestrator:
         self._results.put((running, outcome))
 
     @staticmethod
-    def _lost(running: _Running, error: str) -> Outcome:
-        """The outcome of an attempt whose end the runner could not see: stopped if it can be."""
-        with contextlib.suppress(Exception):  # best effort: the error above is what gets recorded
+    def _lost(running: _Running, error: str) -> Outcome | None:
+        """The outcome of an attempt whose end the runner could not see: stopped if it can be. A
+        detached one that cannot be stopped either has no outcome (None): it may still run."""
+        try:
             running.handle.stop("cancel")
+        except Exception:  # noqa: BLE001 - the error above is what gets recorded
+            if running.detached:
+                return None
         return Outcome(
             exit_code=None, signal=None, oom_kills_before=0, oom_kills_after=0, oom_at=None,
             peak_bytes=None, anon_peak_bytes=None, started_at=running.started_at, ended_at=time.time(),
@@ -569,25 +686,41 @@ class Orchestrator:
         return _Unlock(fh)
 
     def _close_orphans(self) -> list[_Running]:
-        """Attempts still 'running' belong to a runner that died. Those the executor can watch
-        again (a Slurm job, found by its id) are handed back, to be waited for like any other, when
-        their step is unchanged; what is left of the others is ended where the ledger says they ran
-        and recorded cancelled. One that cannot be stopped stays 'running', and nothing starts."""
+        """Attempts still 'running' belong to a runner that died. Each is seen to by the executor
+        that started it (whatever this run's is). Those it can watch again (a Slurm job, found by its
+        id) are handed back, to be waited for like any other, when their step is unchanged; what is
+        left of the others is ended where the ledger says they ran and recorded cancelled. One that
+        cannot be stopped, or that ran on another host, stays 'running', and nothing starts."""
         resumed, stuck = [], []
+        hosts = {run["run_id"]: run["host"] for run in self._ledger.runs()}
         for row in self._ledger.running_attempts():
-            running, why_not = self._resume(row)
-            if running is not None:
-                resumed.append(running)
-                self.reporter.note(
-                    f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
-                    f"before it ended; found it again ({running.handle.where}), waiting for it"
+            executor = self._executor_of(row)
+            host = hosts.get(row.run_id)
+            if not executor.detached and host and host != socket.gethostname():
+                here = socket.gethostname()
+                stuck.append(
+                    f"{row.step} attempt {row.attempt} of an earlier run ran on {host} ({row.location}) "
+                    f"and may still run there, where this host ({here}) cannot see it; run again on {host}"
                 )
                 continue
             try:
-                killed = self.executor.reap(row.location, row.pid, row.started_at) if row.location else 0
+                running, why_not = self._resume(row, executor)
+                if running is not None:
+                    resumed.append(running)
+                    self.reporter.note(
+                        f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
+                        f"before it ended; found it again ({running.handle.where}), waiting for it"
+                    )
+                    continue
+                killed = executor.reap(row.location, row.pid, row.started_at) if row.location else 0
             except AttemptStillRunning as exc:
                 stuck.append(f"{row.step} attempt {row.attempt} of an earlier run: {exc}")
                 continue
+            except ExecutorError as exc:  # e.g. a controller that does not answer: it may still run
+                raise ExecutorError(
+                    f"{row.step} attempt {row.attempt} of an earlier run ({row.location}) may still run, "
+                    f"and cannot be checked: {exc}"
+                ) from None
             reason = (
                 f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
                 f"found at the next run{why_not}, {killed} leftover process(es) killed"
@@ -602,9 +735,23 @@ class Orchestrator:
             self._ledger.end_run(latest["run_id"], RunState.CANCELLED)
         return resumed
 
-    def _resume(self, row: AttemptRow) -> tuple[_Running | None, str]:
+    def _executor_of(self, row: AttemptRow) -> Executor:
+        """The executor that started an attempt (by its name in the registry): no other can see it."""
+        if row.executor not in self._executors:
+            try:
+                cls = executor_class(row.executor)
+                self._executors[row.executor] = cls(self.spec.executor_options(row.executor))
+            except (ExecutorError, CgroupError) as exc:
+                raise ExecutorError(
+                    f"{row.step} attempt {row.attempt} of an earlier run ran under the {row.executor} "
+                    f"executor ({row.location}) and may still run, but that executor cannot be used here "
+                    f"({exc}); run again with --executor {row.executor}"
+                ) from None
+        return self._executors[row.executor]
+
+    def _resume(self, row: AttemptRow, executor: Executor) -> tuple[_Running | None, str]:
         """The attempt of a dead runner watched again, or None and why not (for the cancel reason)."""
-        if row.executor != self.executor.name or not row.location:
+        if not row.location:
             return None, ""
         try:
             step = self.spec.step(row.step)
@@ -614,11 +761,13 @@ class Orchestrator:
         if json.loads(row.argv) != argv:
             return None, " (its step's command changed)"
         fingerprint = self._fingerprint(step, argv)
-        launch = self._launch(step, row.attempt, argv, fingerprint, row.limit_bytes)
-        handle = self.executor.resume(row.location, launch)
+        launch = self._launch(step, row.attempt, argv, fingerprint, row.limit_bytes, executor)
+        handle = executor.resume(row.location, launch)
         if handle is None:
             return None, ""
-        return _Running(step, row.attempt, row.id, launch, handle, fingerprint, row.started_at), ""
+        running = _Running(step, row.attempt, row.id, launch, handle, fingerprint, row.started_at,
+                           executor.detached)  # fmt: skip
+        return running, ""
 
 
 class _Unlock:

@@ -36,13 +36,20 @@ job id). The attempt's peak is then the largest node's, its OOM kills the sum,
 and its exit status that of the node that failed first.
 
 The runner watches its jobs with one ``squeue`` a second for all of them. A
-step's ``timeout`` counts from the moment its job runs, not while it waits in
-the queue; ``--time`` is set a minute beyond it, so that a job whose runner died
-still ends. Steps run side by side as far as the cluster admits them.
+step's ``timeout`` counts from the moment its job's script starts (Slurm creates
+its log files first), not while it waits in the queue or its node sets it up;
+``--time`` is set a minute beyond it, so that a job whose runner died still
+ends. Steps run side by side as far as the cluster admits them.
+
+A controller that does not answer is asked again, for about a minute, by every
+command; its silence is never taken for an answer ("the job is gone", "no such
+job was submitted"), but raised as an ExecutorUnavailable for the runner to
+wait on or refuse with.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -59,18 +66,35 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from pipeline.memory import Budget
-from pipeline.run.executor import STDERR_TAIL_LINES, ExecutorError, Launch, LineSink, Outcome, StepOptions
+from pipeline.memory import Budget, parse_duration
+from pipeline.run.executor import (
+    STDERR_TAIL_LINES,
+    AttemptStillRunning,
+    ExecutorError,
+    ExecutorUnavailable,
+    Launch,
+    LineSink,
+    Outcome,
+    StepOptions,
+)
 
 POLL_S = 1.0
 """How often the runner asks ``squeue`` about its jobs (one call for all of them)."""
 TIME_LIMIT_MARGIN_S = 60.0
 """``--time`` is the step's timeout plus this: the runner stops a step at its timeout itself."""
 COMMAND_TIMEOUT_S = 60.0
-SUBMIT_TRIES = 5
-"""sbatch is tried again while the controller does not answer, after 1, 2, 4, 8 s."""
+"""A Slurm command that has not answered in this time counts as the controller's silence."""
 ANSWER_WAITS_S = (0, 1, 2, 4, 8, 15, 30)
-"""Waits before asking a controller that did not answer again (scontrol, scancel)."""
+"""Waits before asking a controller that did not answer again, for every command (sbatch, squeue,
+scontrol, scancel): about a minute; silence for longer is an ExecutorUnavailable, never an answer."""
+SILENT_CONTROLLER_PATIENCE_S = 3600.0
+"""How long the runner keeps asking a silent controller how a job ended when the job's report is
+missing, rather than deciding without it."""
+REAP_WAIT_S = 120.0
+"""How long a dead runner's job gets to end after ``scancel`` (Slurm's KillWait is 30 s by default)."""
+REPORT_WAIT_S = 270.0
+"""How long the runner waits, after a job ended, for its report to show on the shared filesystem
+(NFS caches attributes and missing names for up to a minute): as Nextflow's exitReadTimeout."""
 LOG_FOLLOW_S = 0.2
 RENDEZVOUS_PORT_BASE = 20000
 WRAPPER = [sys.executable, "-m", "pipeline.run.container_init"]
@@ -94,12 +118,41 @@ SHARED_FILESYSTEMS = frozenset({
     "nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
     "panfs", "wekafs", "fuse.juicefs", "cifs", "smb3", "virtiofs", "9p",
 })  # fmt: skip
-# What eyrie sets on every job itself: refused in `sbatch_args`, where they would fight it.
+# What eyrie sets on every job itself (or what would fight it): refused in `sbatch_args`, in full,
+# abbreviated (sbatch takes any unambiguous prefix of a long option) or, short, with its value
+# attached (-N2).
 MANAGED_SBATCH_OPTIONS = (
-    "--mem", "--output", "-o", "--error", "-e", "--chdir", "-D", "--job-name", "-J", "--parsable",
-    "--wrap", "--array", "-a", "--export", "--requeue", "--no-requeue", "--open-mode", "--time", "-t",
-    "--nodes", "-N", "--partition", "-p", "--account", "-A", "--cpus-per-task", "-c", "--gres",
+    "--mem", "--mem-per-cpu", "--mem-per-gpu", "--output", "--error", "--chdir", "--job-name",
+    "--parsable", "--wrap", "--array", "--export", "--export-file", "--requeue", "--no-requeue",
+    "--open-mode", "--time", "--nodes", "--partition", "--account", "--cpus-per-task", "--gres",
+    "--gpus", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket",
 )  # fmt: skip
+# What a job gets of the runner's environment besides the step's own variables (`--export` names
+# them; sbatch would otherwise send the whole environment, API keys and tokens included, into the
+# job's record on the controller). A pipeline adds names or patterns with `slurm: {export: […]}`.
+EXPORTED_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR", "TERM",
+    "PYTHON*", "VIRTUAL_ENV", "CONDA_*", "LD_LIBRARY_PATH", "CUDA_*", "NCCL_*", "NVIDIA_*", "OMP_*",
+    "MKL_*", "TORCH_*", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE",
+    "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN_PATH", "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE", "EYRIE_*",
+)  # fmt: skip
+MANAGED_SHORT_SBATCH_OPTIONS = ("-o", "-e", "-D", "-J", "-a", "-t", "-N", "-p", "-A", "-c", "-G")
+
+
+def managed_sbatch_option(arg: str) -> str | None:
+    """The option eyrie sets that ``arg`` would set, or None."""
+    if arg.startswith("--"):
+        name = arg.split("=", 1)[0]
+        if len(name) < 3:
+            return None
+        if name in MANAGED_SBATCH_OPTIONS:
+            return name
+        abbreviated = [option for option in MANAGED_SBATCH_OPTIONS if option.startswith(name)]
+        return f"{name} (short for {' or '.join(abbreviated)})" if abbreviated else None
+    if arg.startswith("-") and arg[:2] in MANAGED_SHORT_SBATCH_OPTIONS:
+        return arg[:2]
+    return None
 
 
 class SlurmOptions(StepOptions):
@@ -113,13 +166,23 @@ class SlurmOptions(StepOptions):
     """``--cpus-per-task`` (default: the partition's)."""
     sbatch_args: list[str] = []
     """Further sbatch options, e.g. ``[--qos=high, --constraint=h100]``."""
+    export: list[str] = []
+    """More of the runner's environment for the job, by name or pattern (``[WANDB_*, HTTPS_PROXY]``),
+    beyond what a step needs to run (``EXPORTED_ENV``) and the step's own ``env``."""
+    report_wait: float = Field(REPORT_WAIT_S, ge=0)
+    """How long to wait, after a job ended, for its in-job report to show on the shared filesystem
+    (a duration: ``90s``, ``5m``)."""
+
+    @field_validator("report_wait", mode="before")
+    @classmethod
+    def _duration(cls, value: str | float) -> float:
+        return parse_duration(value)
 
     @field_validator("sbatch_args")
     @classmethod
     def _not_managed(cls, args: list[str]) -> list[str]:
         for arg in args:
-            name = arg.split("=", 1)[0]
-            if name in MANAGED_SBATCH_OPTIONS:
+            if (name := managed_sbatch_option(arg)) is not None:
                 raise ValueError(
                     f"{name} is set by eyrie (memory, time, partition, account, nodes, cpus and gpus "
                     "have fields of their own); remove it from sbatch_args"
@@ -128,7 +191,8 @@ class SlurmOptions(StepOptions):
 
 
 def _slurm(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """One Slurm command; a command missing or hanging is an ExecutorError."""
+    """One Slurm command, asked once; a command missing is an ExecutorError, one hanging an
+    ExecutorUnavailable (it may have reached the controller all the same)."""
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env)
     except FileNotFoundError:
@@ -136,7 +200,52 @@ def _slurm(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
             f"{argv[0]} is not on PATH: run eyrie where Slurm's commands are (a login node of the cluster)"
         ) from None
     except subprocess.TimeoutExpired:
-        raise ExecutorError(f"{argv[0]} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+        raise ExecutorUnavailable(f"{argv[0]} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+
+
+def _waits(patience_s: float):
+    """The waits before each try: ANSWER_WAITS_S, then its last wait again until ``patience_s``."""
+    waited = 0.0
+    for delay in ANSWER_WAITS_S:
+        yield delay
+        waited += delay
+    while 0 < ANSWER_WAITS_S[-1] and waited + ANSWER_WAITS_S[-1] <= patience_s:
+        yield ANSWER_WAITS_S[-1]
+        waited += ANSWER_WAITS_S[-1]
+
+
+def _asked(*argv: str, patience_s: float | None = None) -> subprocess.CompletedProcess[str]:
+    """A Slurm command's answer, asked again while the controller does not answer (the command
+    hangs, or says it cannot reach it): silence is no answer. ExecutorUnavailable once it stayed
+    silent for ``patience_s`` (default: ANSWER_WAITS_S, about a minute)."""
+    patience_s = sum(ANSWER_WAITS_S) if patience_s is None else patience_s
+    said = ""
+    for delay in _waits(patience_s):
+        time.sleep(delay)
+        try:
+            result = _slurm(*argv)
+        except ExecutorUnavailable as exc:
+            said = str(exc)
+            continue
+        said = _said(result)
+        if result.returncode == 0 or not _unreachable(said):
+            return result
+    raise ExecutorUnavailable(
+        f"the Slurm controller did not answer {shlex.join(argv[:2])} … for {patience_s:.0f} s "
+        f"({said}); check scontrol ping, then run again"
+    )
+
+
+def job_state(job_id: str) -> str | None:
+    """Slurm's state of a job (an ended one while the controller remembers it), or None only when
+    Slurm says it does not know the job. A controller that stays silent is an ExecutorUnavailable."""
+    result = _asked("squeue", "-h", "--states=all", "-j", job_id, "-o", "%T")
+    if result.returncode == 0:
+        states = result.stdout.split()
+        return states[0] if states else None
+    if "invalid job id" in result.stderr.lower():
+        return None
+    raise ExecutorUnavailable(f"squeue could not say what became of job {job_id}: {_said(result)}")
 
 
 def _said(result: subprocess.CompletedProcess[str]) -> str:
@@ -168,20 +277,11 @@ def parse_job_record(line: str) -> dict[str, str]:
     return record
 
 
-def final_state(job_id: str) -> tuple[str, str, str] | None:
+def final_state(job_id: str, patience_s: float | None = None) -> tuple[str, str, str] | None:
     """(state, ExitCode 'code:signal', which command said so) once the job ended, or None when
     Slurm no longer knows it (the controller forgot it, and there is no accounting). A controller
-    that does not answer is asked again: its silence is no answer."""
-    for delay in ANSWER_WAITS_S:
-        time.sleep(delay)
-        try:
-            shown = _slurm("scontrol", "show", "job", "-o", job_id)
-        except ExecutorError:
-            continue
-        if not _unreachable(_said(shown)):
-            break
-    else:
-        raise ExecutorError(f"the Slurm controller did not answer about job {job_id} for a minute")
+    that does not answer is asked again for ``patience_s``: its silence is no answer."""
+    shown = _asked("scontrol", "show", "job", "-o", job_id, patience_s=patience_s)
     if shown.returncode == 0 and shown.stdout.strip():
         record = parse_job_record(shown.stdout)
         state = record.get("JobState", "")
@@ -207,9 +307,20 @@ class _Follower:
     def _follow(self) -> None:
         handle = None
         pending = b""
+        reopened = False
         while True:
             finishing = self._done.is_set()
-            if handle is None and self._path.exists():
+            if finishing and not reopened:
+                # A handle opened while the node wrote may not see its last writes on NFS: opening
+                # the file again revalidates it (close-to-open), and the read goes on where it was.
+                reopened = True
+                offset = handle.tell() if handle is not None else 0
+                if handle is not None:
+                    handle.close()
+                handle = _open_fresh(self._path)
+                if handle is not None:
+                    handle.seek(offset)
+            if handle is None and not finishing and self._path.exists():
                 handle = open(self._path, "rb")
             chunk = handle.read() if handle is not None else b""
             if chunk:
@@ -239,6 +350,17 @@ class _Follower:
         self._thread.join(timeout)
 
 
+def _open_fresh(path: Path):
+    """``path`` opened for reading after listing its folder, so that NFS looks again for a name it
+    lately found missing; None when it is not there."""
+    try:
+        if path.name not in os.listdir(path.parent):
+            return None
+        return open(path, "rb")
+    except FileNotFoundError:
+        return None
+
+
 class _Watcher:
     """One ``squeue`` a second for every job the runner waits for: their states, as Slurm says them."""
 
@@ -246,6 +368,7 @@ class _Watcher:
         self._states: dict[str, str | None] = {}
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def watch(self, job_id: str) -> None:
         with self._changed:
@@ -271,13 +394,19 @@ class _Watcher:
         with self._changed:
             self._states.pop(job_id, None)
 
+    def close(self) -> None:
+        """Stop asking (the runner is done with its jobs)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+
     def _poll(self) -> None:
-        while True:
+        while not self._closed.is_set():
             with self._changed:
                 ids = [job for job, state in self._states.items() if state and state not in ENDED_STATES]
             if ids:
                 self._ask(ids)
-            time.sleep(POLL_S)
+            self._closed.wait(POLL_S)
 
     def _ask(self, ids: list[str]) -> None:
         try:
@@ -308,60 +437,95 @@ class SlurmAttempt:
         executor.watcher.watch(job_id)
 
     def wait(self, timeout: float | None = None) -> Outcome | None:
-        """The outcome once the job ended; None once it has *run* ``timeout`` seconds (queue time
-        does not count)."""
+        """The outcome once the job ended; None once its script has *run* ``timeout`` seconds (time
+        in the queue, or while the node starts the job, does not count)."""
         watcher = self._executor.watcher
         while not watcher.ended(self.job_id):
-            if watcher.state(self.job_id) not in ("PENDING", "CONFIGURING") and self._running_since is None:
-                self._running_since = time.monotonic()
+            if self._running_since is None and watcher.state(self.job_id) not in ("PENDING", "CONFIGURING"):
+                if self._launched():
+                    self._running_since = time.monotonic()
             if timeout is not None and self._running_since is not None:
                 if time.monotonic() - self._running_since >= timeout:
                     return None
             watcher.wait_change(POLL_S)
-        self._out.finish()
-        self._err.finish()
-        outcome = self._outcome()
+        reports = self._await_reports()
+        self.finish()
+        outcome = self._outcome(reports)
         watcher.forget(self.job_id)
         return outcome
 
+    def finish(self) -> None:
+        """Read the rest of the job's logs and stop following them."""
+        self._out.finish()
+        self._err.finish()
+
     def stop(self, reason: str) -> None:
         self._stopped_by = self._stopped_by or reason
-        for delay in ANSWER_WAITS_S:
-            time.sleep(delay)
-            try:
-                result = _slurm("scancel", self.job_id)
-            except ExecutorError:
-                continue
-            if result.returncode == 0 or not _unreachable(_said(result)):
-                return
-        raise ExecutorError(f"the Slurm controller did not answer scancel {self.job_id} for a minute")
+        _asked("scancel", self.job_id)
 
     # -- evidence ----------------------------------------------------------------------
+    def _expected_reports(self) -> int:
+        options = self.launch.options
+        return (options.nodes if isinstance(options, SlurmOptions) else None) or 1
+
     def _reports(self) -> list[dict[str, Any]]:
         report = report_path(self.launch)
-        paths = sorted(report.parent.glob(f"{report.name}.node-*.json")) or [report]
+        try:  # listing the folder makes NFS look again for names it lately found missing
+            names = os.listdir(report.parent)
+        except FileNotFoundError:
+            return []
+        per_node = sorted(n for n in names if n.startswith(f"{report.name}.node-") and n.endswith(".json"))
         reports = []
-        for path in paths:
+        for name in per_node or [report.name]:
             try:
-                reports.append(json.loads(path.read_text(encoding="utf-8")))
+                reports.append(json.loads((report.parent / name).read_text(encoding="utf-8")))
             except (FileNotFoundError, ValueError):
                 continue
         return reports
 
-    def _outcome(self) -> Outcome:
-        reports = self._reports()
-        slurm = final_state(self.job_id)
+    def _launched(self) -> bool:
+        """Whether the node started the job's script: Slurm creates its log files first (the folder is
+        listed, so that NFS looks again for names it lately found missing)."""
+        try:
+            names = os.listdir(self.launch.stdout_path.parent)
+        except FileNotFoundError:
+            return False
+        return self.launch.stdout_path.name in names or self.launch.stderr_path.name in names
+
+    def _await_reports(self) -> list[dict[str, Any]]:
+        """The job's reports, waited for (``report_wait``) when its script started: on a shared
+        filesystem a file the node wrote last may show here only later. A job cancelled before its
+        script started (in the queue, or while its node set it up) wrote none."""
+        options = self.launch.options if isinstance(self.launch.options, SlurmOptions) else SlurmOptions()
+        deadline = time.monotonic() + (options.report_wait if self._launched() else 0)
+        while len(reports := self._reports()) < self._expected_reports() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return reports
+
+    def _outcome(self, reports: list[dict[str, Any]]) -> Outcome:
+        expected = self._expected_reports()
+        complete = len(reports) >= expected
+        unavailable = None
+        if complete:
+            # The reports decide; Slurm's state only says who stopped the job, if it can say it.
+            try:
+                slurm = final_state(self.job_id)
+            except ExecutorUnavailable as exc:
+                slurm, unavailable = None, str(exc)
+        else:
+            # Nothing else can decide: a silent controller is waited for, not guessed at.
+            slurm = final_state(self.job_id, SILENT_CONTROLLER_PATIENCE_S)
         state, code, told_by = slurm if slurm else (None, "", None)
         stopped_by = self._stopped_by or STOPPED_BY_STATE.get(state or "")
         stopped_by_slurm = self._stopped_by is None and stopped_by is not None
-        nodes = self.launch.options.nodes if isinstance(self.launch.options, SlurmOptions) else None
-        expected = nodes or 1
         common = {"stderr_tail": list(self._err.tail), "where": self.where, "stopped_by": stopped_by}
-        if len(reports) >= expected:
+        if complete:
             facts = _merge(reports)
             evidence = None
             if stopped_by_slurm:
                 evidence = f"Slurm's state {state} for job {self.job_id} ({told_by}) and the job's cgroup"
+            elif unavailable:
+                evidence = f"the job's cgroup; Slurm's state was unavailable: {unavailable}"
             return Outcome(
                 exit_code=facts["exit_code"], signal=facts["signal"],
                 oom_kills_before=facts["oom_kills_before"], oom_kills_after=facts["oom_kills_after"],
@@ -450,12 +614,13 @@ def batch_script(launch: Launch) -> str:
         lines.append(f"exec {shlex.join([*WRAPPER, str(report), '--'])} {step}")
         return "\n".join(lines) + "\n"
     # torchrun's rendezvous (c10d) on the allocation's first node; every node runs one launcher.
+    # srun would pass on only the names sbatch exported (SLURM_EXPORT_ENV), not the rendezvous.
     per_node = f'exec {shlex.join(WRAPPER)} "$0.node-$SLURM_NODEID.json" -- "$@"'
     lines += [
         'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(({RENDEZVOUS_PORT_BASE} + SLURM_JOB_ID % 10000))",
         'export MASTER_ADDR="$first" MASTER_PORT="$port" PET_RDZV_BACKEND=c10d '
-        'PET_RDZV_ENDPOINT="$first:$port" PET_RDZV_ID="$SLURM_JOB_ID"',
+        'PET_RDZV_ENDPOINT="$first:$port" PET_RDZV_ID="$SLURM_JOB_ID" SLURM_EXPORT_ENV=ALL',
         f"exec srun --nodes={options.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"sh -c {shlex.quote(per_node)} {shlex.quote(str(report))} {step}",
     ]
@@ -466,7 +631,8 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     argv = [
         "sbatch", "--parsable", f"--job-name={job_name(launch)}", f"--chdir={launch.cwd}",
         f"--output={launch.stdout_path}", f"--error={launch.stderr_path}", "--open-mode=append",
-        f"--mem={math.ceil(launch.limit_bytes / 2**20)}M", "--no-requeue", "--export=ALL",
+        f"--mem={math.ceil(launch.limit_bytes / 2**20)}M", "--no-requeue",
+        f"--export={','.join(exported_names(launch, options)) or 'NONE'}",
     ]  # fmt: skip
     if launch.timeout is not None:
         argv.append(f"--time={math.ceil((launch.timeout + TIME_LIMIT_MARGIN_S) / 60)}")
@@ -477,6 +643,17 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
         if value is not None:
             argv.append(f"{flag}={value}")
     return [*argv, *options.sbatch_args, str(script)]
+
+def exported_names(launch: Launch, options: SlurmOptions) -> list[str]:
+    """The variables of the launch's environment the job gets: the step's own, and those the
+    runner's environment may pass on (EXPORTED_ENV and the pipeline's ``export``)."""
+    patterns = (*EXPORTED_ENV, *options.export)
+    return sorted(
+        name for name in launch.env
+        if not name.startswith("SLURM_")
+        and (name in launch.step_env or any(fnmatch.fnmatchcase(name, p) for p in patterns))
+    )  # fmt: skip
+
 
 def _mount_of(path: Path) -> tuple[str, str, str]:
     """(mount point, filesystem type, source) of the mount that holds ``path``."""
@@ -500,6 +677,7 @@ class SlurmExecutor:
     name = "slurm"
     Options = SlurmOptions
     admits_by_memory = True
+    detached = True
 
     def __init__(self, options: SlurmOptions | None = None) -> None:
         self.options = options or SlurmOptions()
@@ -510,10 +688,12 @@ class SlurmExecutor:
                     "of the cluster), or install the Slurm client"
                 )
         self.watcher = _Watcher()
+        self._unanswered: set[str] = set()
+        """Names of jobs whose submission got no answer: looked up before they are submitted again."""
 
     # -- before anything starts --------------------------------------------------------
     def _default_partition(self) -> str:
-        result = _slurm("sinfo", "-h", "-o", "%P")
+        result = _asked("sinfo", "-h", "-o", "%P")
         if result.returncode != 0:
             raise ExecutorError(f"cannot ask Slurm for its partitions (sinfo: {_said(result)})")
         default = [p.rstrip("*") for p in result.stdout.split() if p.endswith("*")]
@@ -524,7 +704,7 @@ class SlurmExecutor:
     def _nodes(self, partitions: set[str | None]) -> list[tuple[str, str, int]]:
         """(node name, node hostname, memory MiB) of every node in ``partitions`` (None: the default)."""
         named = sorted({p or self._default_partition() for p in partitions})
-        result = _slurm("sinfo", "-h", "-N", "-p", ",".join(named), "-o", "%N|%n|%m")
+        result = _asked("sinfo", "-h", "-N", "-p", ",".join(named), "-o", "%N|%n|%m")
         if result.returncode != 0:
             raise ExecutorError(f"cannot ask Slurm for its nodes (sinfo: {_said(result)})")
         nodes = []
@@ -537,9 +717,11 @@ class SlurmExecutor:
             )
         return nodes
 
-    def memory_budget(self) -> Budget:
-        """What one step can have: the largest node's memory. Slurm admits jobs by their --mem."""
-        partition = self.options.partition or self._default_partition()
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
+        """What one step can have: the largest node's memory in its partition (``options``'s, else
+        the pipeline's, else Slurm's default). Slurm admits jobs by their --mem."""
+        own = options.partition if isinstance(options, SlurmOptions) else None
+        partition = own or self.options.partition or self._default_partition()
         largest = max(memory for _, _, memory in self._nodes({partition})) * 1024 * 1024
         where = f"partition {partition}"
         return Budget(
@@ -574,47 +756,78 @@ class SlurmExecutor:
         script.write_text(batch_script(launch), encoding="utf-8")
         # The job gets the runner's environment (its own SLURM_* variables would mislead the job).
         env = {k: v for k, v in launch.env.items() if not k.startswith("SLURM_")}
+        name = job_name(launch)
         submitted_at = time.time()
-        for attempt in range(SUBMIT_TRIES):
-            result = _slurm(*sbatch_argv(launch, script), env=env)
-            if result.returncode == 0:
-                return SlurmAttempt(self, launch, result.stdout.strip().split(";")[0], submitted_at)
-            said = _said(result)
-            if not _unreachable(said) or attempt == SUBMIT_TRIES - 1:
-                break
-            # A submission that timed out may have reached the controller: never submit it twice.
-            found = self._job_named(job_name(launch))
+        if name in self._unanswered:  # asked before without an answer: it may be there already
+            found = self._job_named(name)
             if found:
                 return SlurmAttempt(self, launch, found, submitted_at)
-            time.sleep(2**attempt)
-        raise ExecutorError(
-            f"step {launch.step}: sbatch refused its job: {said} (check the pipeline file's "
-            "slurm: options: partition, account, sbatch_args)"
+        said = ""
+        for delay in _waits(sum(ANSWER_WAITS_S)):
+            time.sleep(delay)
+            try:
+                result = _slurm(*sbatch_argv(launch, script), env=env)
+            except ExecutorUnavailable as exc:
+                said = str(exc)
+            else:
+                if result.returncode == 0:
+                    self._unanswered.discard(name)
+                    return SlurmAttempt(self, launch, result.stdout.strip().split(";")[0], submitted_at)
+                said = _said(result)
+                if not _unreachable(said):
+                    raise ExecutorError(
+                        f"step {launch.step}: sbatch refused its job: {said} (check the pipeline file's "
+                        "slurm: options: partition, account, sbatch_args)"
+                    )
+            # A submission without an answer may have reached the controller: never submit it twice.
+            self._unanswered.add(name)
+            found = self._job_named(name)
+            if found:
+                self._unanswered.discard(name)
+                return SlurmAttempt(self, launch, found, submitted_at)
+        raise ExecutorUnavailable(
+            f"step {launch.step}: the Slurm controller did not answer sbatch for "
+            f"{sum(ANSWER_WAITS_S):.0f} s ({said})"
         )
 
     def _job_named(self, name: str) -> str | None:
-        try:
-            result = _slurm("squeue", "-h", "--states=all", f"--name={name}", "-o", "%i")
-        except ExecutorError:
-            return None
-        ids = result.stdout.split() if result.returncode == 0 else []
+        """The id of the job of that name, or None when Slurm lists none; ExecutorUnavailable when
+        the controller cannot say (then nobody knows whether it was submitted)."""
+        result = _asked("squeue", "-h", "--states=all", f"--name={name}", "-o", "%i")
+        if result.returncode != 0:
+            raise ExecutorUnavailable(
+                f"squeue could not say whether job {name} was submitted: {_said(result)}"
+            )
+        ids = result.stdout.split()
         return ids[0] if ids else None
 
     def resume(self, where: str, launch: Launch) -> SlurmAttempt | None:
         """The job of a runner that died, by its id: watched again while Slurm knows it or its
-        report is there (it may have ended meanwhile); else None."""
+        report is there (it may have ended meanwhile); else None. ExecutorUnavailable while the
+        controller cannot say."""
         job_id = _job_id(where)
-        known = _slurm("squeue", "-h", "--states=all", "-j", job_id, "-o", "%T")
-        if not (known.returncode == 0 and known.stdout.strip()) and not report_path(launch).exists():
+        if job_state(job_id) is None and not report_path(launch).exists():
             return None
         # What the job wrote while nobody followed its logs was shown then by nobody: shown now.
         return SlurmAttempt(self, launch, job_id, time.time())
 
     def reap(self, where: str, pid: int | None, started_at: float) -> int:
-        # The job id is the attempt's identity; its processes live on the nodes, where Slurm ends them.
+        """``scancel`` the job, and wait until Slurm says it ended (AttemptStillRunning if it does
+        not). The job id is the attempt's identity; its processes live on the nodes."""
         job_id = _job_id(where)
-        known = _slurm("squeue", "-h", "-j", job_id, "-o", "%T")
-        active = known.returncode == 0 and bool(known.stdout.strip())
-        if active:
-            _slurm("scancel", job_id)
-        return 1 if active else 0
+        state = job_state(job_id)
+        if state is None or state in ENDED_STATES:
+            return 0
+        cancelled = _asked("scancel", job_id)
+        deadline = time.monotonic() + REAP_WAIT_S
+        while (state := job_state(job_id)) is not None and state not in ENDED_STATES:
+            if cancelled.returncode != 0:  # refused, and not because the job had ended meanwhile
+                refused = f"{where} is {state}; scancel refused: {_said(cancelled)}"
+                raise AttemptStillRunning([], where, refused)
+            if time.monotonic() >= deadline:
+                raise AttemptStillRunning(
+                    [], where, f"{where} is still {state} {REAP_WAIT_S:.0f} s after scancel and may still "
+                    "write its outputs; end it (scancel, or ask the cluster's admins), then run again",
+                )  # fmt: skip
+            time.sleep(POLL_S)
+        return 1

@@ -102,6 +102,7 @@ def test_slurm_executor_gives_the_local_executors_verdicts(tmp_path):
 @pytest.mark.usefixtures("cluster")
 def test_slurms_view_decides_only_when_the_in_job_report_is_missing(tmp_path):
     pipeline = write_pipeline(tmp_path, """
+slurm: {report_wait: 3s}  # no report will come: the runner waits for it only this long
 steps:
   - name: wrapper_killed
     # SIGKILL to the in-job wrapper (the step's parent): the job ends with no report
@@ -137,6 +138,7 @@ steps:
                                str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
     _wait_for_state(run_dir, "long", "RUNNING")
+    _wait_for_script(run_dir, "long")  # the controller says RUNNING while the node still sets the job up
     runner.send_signal(signal.SIGTERM)
     output = runner.communicate(timeout=120)[0]
     assert runner.returncode == 130, output
@@ -157,12 +159,28 @@ def _wait_for_state(run_dir: Path, step: str, state: str, seconds: float = 60) -
     raise AssertionError(f"no job of step {step} reached {state} within {seconds} s: {_jobs()}")
 
 
+def _wait_for_script(run_dir: Path, step: str, seconds: float = 60) -> None:
+    """Until the node started the step's job script (Slurm creates its log first), and a moment more
+    for the wrapper to take its signals."""
+    log = run_dir / ".eyrie" / "logs" / step / "attempt-1.stdout.log"
+    deadline = time.monotonic() + seconds
+    while not log.exists():
+        assert time.monotonic() < deadline, f"the job of step {step} never started its script"
+        time.sleep(0.2)
+    time.sleep(2)
+
+
 def _workdir(job: str) -> str:
     return next((t.split("=", 1)[1] for t in _show(job).split() if t.startswith("WorkDir=")), "")
 
 
 @pytest.mark.usefixtures("cluster")
-def test_a_killed_runner_finds_its_job_again_and_records_it_without_a_duplicate(tmp_path):
+@pytest.mark.parametrize("rerun_with", ["slurm", "local"])  # local: `--executor slurm` forgotten
+def test_a_killed_runner_finds_its_job_again_and_records_it_without_a_duplicate(
+    tmp_path, request, rerun_with
+):
+    if rerun_with == "local":
+        request.getfixturevalue("real_cgroups")  # the step after it runs here
     pipeline = write_pipeline(tmp_path, """
 steps:
   - name: slow
@@ -183,8 +201,8 @@ steps:
     first.kill()  # no chance to cancel anything: the job runs on without its runner
     first.wait()
     assert f"running (slurm job {job})" in eyrie("status", "--run-dir", str(run_dir), check=True).stdout
-    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm", check=True)
-    assert f"found it again (slurm job {job})" in again.stdout
+    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", rerun_with, check=True)
+    assert f"found it again (slurm job {job})" in again.stdout  # by the executor that started it
     attempts = attempts_json(run_dir)
     assert [(a["step"], a["attempt"], a["verdict"]) for a in attempts] == [
         ("slow", 1, "succeeded"), ("after", 1, "succeeded"),
@@ -207,7 +225,7 @@ def test_a_preempted_step_runs_again_with_the_same_limit(tmp_path):
     if "low" not in partitions:
         pytest.skip("this cluster has no preemptible partition `low` (.ci/slurm.sh makes one)")
     pipeline = write_pipeline(tmp_path, """
-slurm: {partition: low}
+slurm: {partition: low, report_wait: 3s}
 steps:
   - name: modest
     command: [sh, -c, "sleep 6; echo done > result.txt"]
@@ -239,6 +257,7 @@ steps:
 @pytest.mark.usefixtures("cluster")
 def test_a_step_whose_node_failed_runs_again(tmp_path):
     pipeline = write_pipeline(tmp_path, """
+slurm: {report_wait: 3s}  # a lost node writes no report
 steps:
   - name: steady
     command: [sh, -c, "sleep 6; echo done > result.txt"]
@@ -259,7 +278,8 @@ steps:
         while "JobState=NODE_FAIL" not in _show(job) and time.monotonic() < deadline:
             time.sleep(0.3)
     finally:
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=True)
+        # (ReturnToService=2 may have brought it back already: then RESUME is refused, and not needed)
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
     output = runner.communicate(timeout=300)[0]
     assert runner.returncode == 0, output
     first, second = attempts_json(run_dir)
@@ -336,11 +356,17 @@ steps:
 
 
 @pytest.mark.usefixtures("cluster")
-@pytest.mark.timeout(2400)  # the whole embedded demo, training included, as tests/e2e/test_demo.py
+@pytest.mark.timeout(1200)
 def test_the_embedded_demo_runs_end_to_end_under_slurm(tmp_path):
+    # Every step of the demo, as `make demo` runs them, training cut to 4 steps: tests/e2e/test_demo.py
+    # runs the whole of it; here what counts is that each step runs as a Slurm job.
     run_dir = tmp_path / "run"
-    result = eyrie("run", str(DEMO), "--run-dir", str(run_dir), "--executor", "slurm", timeout=2100)
+    argv = [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "--run-dir", str(run_dir),
+            "--executor", "slurm"]  # fmt: skip
+    shorter = {**os.environ, "EYRIE_DEMO_MAX_STEPS": "4"}
+    result = subprocess.run(argv, cwd=REPO, env=shorter, capture_output=True, text=True, timeout=1100)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "step 4/4" in (run_dir / ".eyrie" / "logs" / "train" / "attempt-1.stdout.log").read_text()
     attempts = attempts_json(run_dir)
     steps = [s["name"] for s in yaml.safe_load(DEMO.read_text())["steps"]]
     assert sorted(a["step"] for a in attempts) == sorted(steps)

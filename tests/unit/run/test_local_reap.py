@@ -57,3 +57,12 @@ def test_no_cgroup_above_the_runner_is_ever_taken_for_a_step(step):
     own = current_cgroup()
     for ancestor in own.ancestors():  # a ledger naming one of them must not kill this process
         assert executor()._recorded_cgroup(str(ancestor.path)) is None
+
+
+def test_the_group_is_killed_when_the_recorded_process_itself_has_died(step):
+    proc, began = step
+    (child,) = map(int, open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split())
+    proc.kill()  # the main process is gone; its child lives on in its process group
+    proc.wait()
+    assert executor().reap("/sys/fs/cgroup/memory/no/such/cgroup", proc.pid, began) == 1
+    assert gone(child)

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 
 from pipeline.memory import Budget
-from pipeline.run.executor import ExecutorError, Launch, Outcome, StepOptions
+from pipeline.run import orchestrator, slurm
+from pipeline.run.executor import ExecutorError, ExecutorUnavailable, Launch, Outcome, StepOptions
 from pipeline.run.ledger import Ledger
-from pipeline.run.orchestrator import Orchestrator, RunResult
+from pipeline.run.orchestrator import Orchestrator, RunDirBusy, RunResult
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.step_contract import MANIFEST_NAME
+from tests.fakes.fake_slurm import FakeSlurm
 
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
 
@@ -65,8 +71,11 @@ class FakeExecutor:
     name = "fake"
     Options = StepOptions
     admits_by_memory = False
+    detached = False
 
-    def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None) -> None:
+    def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None,
+                 detached: bool = False) -> None:  # fmt: skip
+        self.detached = detached
         self.behaviours = behaviours
         self.attempts: list[FakeAttempt] = []
         self.resumable = resumable or {}  # where -> how the attempt a dead runner left ends
@@ -293,12 +302,14 @@ def test_a_step_preempted_again_and_again_ends_failed(tmp_path):
     assert [a.verdict for a in ledger_of(tmp_path).attempts()] == ["preempted"] * 4  # 1 + TRANSIENT_RETRIES
 
 
-def leave_running(tmp_path: Path, steps: list[dict], where: str, argv: list[str]) -> None:
-    """What a runner killed with SIGKILL leaves: its run and one attempt marked running."""
+def leave_running(tmp_path: Path, steps: list[dict], where: str, argv: list[str], executor: str = "fake",
+                  host: str | None = None) -> None:  # fmt: skip
+    """What a runner killed with SIGKILL leaves: its run (on ``host``) and one attempt marked running."""
     spec, path = write_pipeline(tmp_path, steps)
     ledger = Ledger(tmp_path / "run")
-    ledger.start_run("dead-run", str(path), "fake", [s["name"] for s in steps], 2**34, "test")
-    attempt = ledger.begin_attempt(run_id="dead-run", step="train", attempt=1, executor="fake",
+    with mock.patch("socket.gethostname", return_value=host or socket.gethostname()):
+        ledger.start_run("dead-run", str(path), executor, [s["name"] for s in steps], 2**34, "test")
+    attempt = ledger.begin_attempt(run_id="dead-run", step="train", attempt=1, executor=executor,
                                    limit_bytes=2**26, limit_reason=None, argv=argv, host_mem_available=0,
                                    host_mem_total=0, image=None, commit_id=None)  # fmt: skip
     ledger.attempt_started(attempt, None, where)
@@ -325,3 +336,182 @@ def test_an_attempt_left_by_a_killed_runner_whose_step_changed_is_cancelled_and_
     first, second = ledger_of(tmp_path).attempts()
     assert first.verdict == "cancelled" and "its step's command changed" in first.reason
     assert second.verdict == "succeeded" and executor.reaped == ["job 41"]
+
+
+def test_an_attempt_left_by_a_runner_on_another_host_is_refused_not_taken_for_gone(tmp_path):
+    steps = [{"name": "train", "command": ["train"]}]
+    leave_running(tmp_path, steps, "/sys/fs/cgroup/memory/eyrie/dead-run-train-1", ["train"], host="gpu07")
+    executor = FakeExecutor({"train": ends(outcome(0))})
+    with pytest.raises(RunDirBusy) as info:
+        run(tmp_path, steps, executor)
+    message = str(info.value)
+    assert "train attempt 1 of an earlier run ran on gpu07" in message and "run again on gpu07" in message
+    assert "\n" not in message and executor.reaped == [] and executor.attempts == []
+    assert len(ledger_of(tmp_path).running_attempts()) == 1
+
+
+# -- a detached executor's attempts (Slurm jobs) outlive the runner's troubles --------------------
+
+
+def unanswered_once(then: Behaviour) -> Behaviour:
+    calls = []
+
+    def start(launch: Launch) -> FakeAttempt:
+        calls.append(launch)
+        if len(calls) == 1:
+            raise ExecutorUnavailable("step train: the Slurm controller did not answer sbatch for 60 s")
+        assert launch == calls[0], "the same attempt, under the same name, is submitted again"
+        return then(launch)
+
+    return start
+
+
+def test_a_submission_without_answer_waits_and_is_tried_again_while_the_rest_runs_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(orchestrator, "SUBMIT_RETRY_S", 0.3)
+    steps = [{"name": "serve"}, {"name": "train"}]
+    serving = []
+    executor = FakeExecutor({"serve": lambda launch: serving.append(FakeAttempt(launch, None)) or serving[-1],
+                             "train": unanswered_once(ends(outcome(0)))}, detached=True)  # fmt: skip
+    runner = threading.Thread(target=lambda: run(tmp_path, steps, executor))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not any(a.verdict == "succeeded" for a in Ledger(tmp_path / "run").attempts("train")):
+        assert time.monotonic() < deadline, "train was never submitted again"
+        time.sleep(0.1)
+    assert not serving[0].stopped.is_set()  # the other job runs on
+    serving[0].stop("cancel")
+    runner.join(10)
+    (train,) = ledger_of(tmp_path).attempts("train")  # one attempt, submitted twice
+    assert train.verdict == "succeeded"
+
+
+def test_a_runner_error_leaves_detached_attempts_running_for_the_next_run(tmp_path):
+    steps = [
+        {"name": "serve"},
+        {"name": "prep"},
+        {"name": "train", "needs": ["prep"], "inputs": ["run/prep/prompts.jsonl"]},
+    ]
+    executor = FakeExecutor({"serve": runs_until_stopped, "prep": ends(outcome(0))}, detached=True)
+    with pytest.raises(PipelineError, match="prompts.jsonl does not exist"):
+        run(tmp_path, steps, executor)
+    (serve,) = executor.started("serve")
+    assert not serve.stopped.is_set()  # hours of training are not cancelled for the runner's error
+    ledger = ledger_of(tmp_path)
+    assert [a.step for a in ledger.running_attempts()] == ["serve"]
+    states = ledger.step_states(ledger.latest_run()["run_id"])
+    assert states["serve"]["state"] == "running"
+    assert "left running (fake:serve-1)" in states["serve"]["detail"]
+
+
+def test_a_detached_attempt_the_runner_lost_and_cannot_stop_stays_running(tmp_path):
+    steps = [{"name": "train", "timeout": 0.2}]
+    executor = FakeExecutor({"train": lambda launch: BrokenAttempt(launch, wait_raises=False)}, detached=True)
+    assert run(tmp_path, steps, executor).state == "failed"
+    ledger = ledger_of(tmp_path)
+    assert [a.step for a in ledger.running_attempts()] == ["train"]  # the next run resumes or reaps it
+    states = ledger.step_states(ledger.latest_run()["run_id"])
+    assert "left running (fake:train-1)" in states["train"]["detail"]
+
+
+# -- an attempt is resumed or reaped by the executor that started it ------------------------------
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """A fake of Slurm's commands on PATH; every Slurm executor made meanwhile stops asking at the end."""
+    fake = FakeSlurm(tmp_path)
+    for name, value in fake.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(slurm, "ANSWER_WAITS_S", (0, 0.05, 0.05))
+    monkeypatch.setattr(slurm, "POLL_S", 0.1)
+    made: list[slurm.SlurmExecutor] = []
+    original = slurm.SlurmExecutor.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(slurm.SlurmExecutor, "__init__", init)
+    yield fake
+    for executor in made:
+        executor.watcher.close()
+
+
+def test_a_slurm_job_left_running_is_waited_for_even_by_a_run_of_another_executor(tmp_path, fake_slurm):
+    steps = [{"name": "train", "command": ["train"]}, {"name": "after", "needs": ["train"]}]
+    leave_running(tmp_path, steps, "slurm job 812", ["train"], executor="slurm")
+    fake_slurm.add_job("812", "RUNNING", name="eyrie-dead-run-train-1")
+    report = tmp_path / "run" / ".eyrie" / "logs" / "train" / "attempt-1.slurm.json"
+
+    def job_ends() -> None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps({
+            "exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
+            "oom_kills_after": 0, "oom_at": None, "peak_bytes": 2**20, "anon_peak_bytes": 2**20,
+            "timeline": [],
+        }))  # fmt: skip
+        with fake_slurm.changing() as cluster:
+            cluster["jobs"]["812"]["state"] = "COMPLETED"
+
+    threading.Timer(1.0, job_ends).start()
+    executor = FakeExecutor({"after": ends(outcome(0))})  # `--executor local` given by mistake
+    assert run(tmp_path, steps, executor).state == "succeeded"
+    attempts = ledger_of(tmp_path).attempts()
+    assert [(a.step, a.verdict, a.location) for a in attempts] == [
+        ("train", "succeeded", "slurm job 812"), ("after", "succeeded", "fake:after-1"),
+    ]  # fmt: skip
+    assert executor.started("train") == [] and fake_slurm.calls("scancel") == []
+
+
+def test_a_slurm_job_left_running_where_slurm_cannot_be_reached_is_refused_in_one_line(
+    tmp_path, fake_slurm, monkeypatch
+):
+    steps = [{"name": "train", "command": ["train"]}]
+    leave_running(tmp_path, steps, "slurm job 812", ["train"], executor="slurm")
+    fake_slurm.add_job("812", "RUNNING", name="eyrie-dead-run-train-1")
+    fake_slurm.set(down=True)
+    executor = FakeExecutor({"train": ends(outcome(0))})
+    with pytest.raises(ExecutorError) as info:
+        run(tmp_path, steps, executor)
+    assert "train attempt 1 of an earlier run (slurm job 812) may still run, and cannot be checked: the " \
+           "Slurm controller did not answer squeue" in str(info.value)  # fmt: skip
+    assert "\n" not in str(info.value)
+    assert executor.attempts == [] and executor.reaped == [] and fake_slurm.calls("scancel") == []
+    assert len(ledger_of(tmp_path).running_attempts()) == 1
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # a host without Slurm's commands
+    with pytest.raises(ExecutorError) as info:
+        run(tmp_path, steps, executor)
+    assert "train attempt 1 of an earlier run ran under the slurm executor (slurm job 812)" in str(info.value)
+    assert "run again with --executor slurm" in str(info.value)
+    assert executor.attempts == []
+
+
+def test_each_slurm_step_is_checked_against_the_nodes_of_its_own_partition(tmp_path, fake_slurm):
+    host = os.uname().nodename
+    fake_slurm.set(partitions={"debug": [["node1", host, 8192]], "fat": [["fat1", host, 65536]]})
+    steps = [
+        {"name": "train", "memory": "32GiB", "slurm": {"partition": "fat"}},  # fits a node of `fat`
+        {"name": "prep", "memory": "16GiB"},  # the default partition's nodes have 8 GiB
+    ]
+    _, path = write_pipeline(tmp_path, steps)
+    runner = Orchestrator(load_pipeline(path), path, tmp_path / "run", slurm.SlurmExecutor(), QuietReporter())
+    with pytest.raises(PipelineError) as info:
+        runner.run()
+    refused = "steps (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
+    assert f"{refused} in Slurm's partition debug" in str(info.value)
+    assert fake_slurm.calls("sbatch") == []
+
+
+def test_a_submission_without_answer_for_too_long_ends_failed_and_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(orchestrator, "SUBMIT_RETRY_S", 0.1)
+    monkeypatch.setattr(orchestrator, "SUBMIT_PATIENCE_S", 0.5)
+
+    def never_answered(launch: Launch) -> FakeAttempt:
+        raise ExecutorUnavailable("step train: the Slurm controller did not answer sbatch for 60 s")
+
+    executor = FakeExecutor({"train": never_answered}, detached=True)
+    with pytest.raises(ExecutorUnavailable):
+        run(tmp_path, [{"name": "train"}], executor)
+    (train,) = ledger_of(tmp_path).attempts()  # one attempt, tried again and again, then given up
+    assert train.verdict == "failed" and "could not start it" in train.reason, train.reason
