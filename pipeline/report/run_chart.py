@@ -3,7 +3,8 @@
 Three panels share the time axis:
 
 - host: memory in use (each step's anonymous memory in its colour, the rest of
-  the host grey), MemAvailable, and the run's budget;
+  the host grey), MemAvailable, and the run's budget; left out, saying why,
+  when the steps ran on machines the runner could not see (Slurm's nodes);
 - steps: each attempt a band as high as its limit, filled by what its cgroup
   was charged, stacked in start order, so the stack's top is what the running
   steps reserved against the budget (for a build: each compile job's
@@ -79,7 +80,8 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
 
     # The host panel's title, then a lane per event label, then the panels: no line crosses a title.
     lane_top = 22
-    host_box = (lane_top + LANE_H * lanes + 6, lane_top + LANE_H * lanes + 6 + HOST_H)
+    host_h = 0 if timeline.steps_elsewhere else HOST_H  # then only its title, saying why
+    host_box = (lane_top + LANE_H * lanes + 6, lane_top + LANE_H * lanes + 6 + host_h)
     steps_box = (host_box[1] + TITLE_H, host_box[1] + TITLE_H + STEPS_H)
     row_h = 16 if len(tracks) <= 40 else max(6, 640 // len(tracks))
     gantt_box = (steps_box[1] + TITLE_H, steps_box[1] + TITLE_H + row_h * max(len(tracks), 1))
@@ -94,8 +96,15 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
     body: list[str] = [
         x_axis(x, span, box[0], box[1], labels_at=gantt_box[1] + 16 if box == gantt_box else None)
         for box in (host_box, steps_box, gantt_box)
+        if box[1] > box[0]
     ]
-    body += _host_panel(timeline, tracks, edges, xs, host_box, colors, legend)
+    if timeline.steps_elsewhere:
+        body.append(_title(
+            f"Host memory: not sampled — the steps ran on the cluster's nodes ({timeline.run['executor']} "
+            "executor), which the runner cannot see", 14,
+        ))  # fmt: skip
+    else:
+        body += _host_panel(timeline, tracks, edges, xs, host_box, colors, legend)
     body += _steps_panel(timeline, tracks, edges, xs, steps_box, colors, legend)
     body += _gantt(tracks, x, timeline.start, gantt_box, row_h)
     for i, (track, moment, what) in enumerate(events):

@@ -2,9 +2,9 @@
 
 The ledger keeps each attempt's timeline relative to its start, one point per
 window of about a second holding the window's highest memory, and the host's
-memory one row a second holding that second's least MemAvailable. This module
-puts them on the run's wall clock, for the report's run chart and for
-``explain``'s account of an attempt's neighbours.
+memory one row a second holding that second's least MemAvailable (none where the
+steps ran on other machines). This module puts them on the run's wall clock,
+for the report's run chart and for ``explain``'s account of an attempt's neighbours.
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ class RunTimeline:
     tracks: list[Track]
     host_times: list[float] = field(init=False)
 
+    @property
+    def steps_elsewhere(self) -> bool:
+        """The run's steps ran on machines its runner could not see (Slurm's nodes): no host samples."""
+        return self.run.get("host_sampled") == 0
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_times", [s.t for s in self.host])
 
@@ -99,10 +104,11 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
     host = ledger.host_samples(run_id)
     rows = [row for row in ledger.attempts() if row.run_id == run_id]
     end = run["ended_at"] or time.time()
-    if host:
+    seen = ledger.last_seen(run_id)
+    if seen is not None:
         # A runner killed without warning leaves its run open until the next run closes it:
-        # its last host sample, not that later moment, is when it was last seen.
-        end = min(end, host[-1].t + SAMPLE_S)
+        # its last host sample or heartbeat, not that later moment, is when it was last seen.
+        end = min(end, seen + SAMPLE_S)
     start = min([run["started_at"], *(row.started_at for row in rows)])
     end = max([end, start, *(row.started_at for row in rows)])
     tracks = []

@@ -159,6 +159,11 @@ class Executor(Protocol):
     def memory_budget(self) -> Budget:
         """The memory the steps this executor starts share (what running steps' limits must fit)."""
 
+    host_memory: Callable[[], Budget] | None
+    """What the run's host samples read, four times a second: the memory its running steps share, as
+    it sees it now (usually ``memory_budget``); None when its steps run on machines this one cannot
+    see (Slurm's nodes), where no sample would be true."""
+
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """Before anything starts: refuse, with an ExecutorError, what cannot work (``options``: each
         step's own, by step name), so that no step runs in a run that cannot finish."""

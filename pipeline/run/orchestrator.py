@@ -157,8 +157,9 @@ class Orchestrator:
         self.executor.preflight(self.run_dir, options)
         argvs = {s.name: self._expand(s) for s in self.spec.steps}
         order = [s.name for s in self.spec.order()]
-        ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding)
-        host = HostSampler(ledger, self.run_id).start()
+        ledger.start_run(self.run_id, str(self.pipeline_path), self.executor.name, order, pool, binding,
+                         host_sampled=self.executor.host_memory is not None)  # fmt: skip
+        host = HostSampler(ledger, self.run_id, self.executor.host_memory).start()
         self.reporter.note(
             f"run {self.run_id}: {len(order)} steps, budget {format_size(pool)} (set by {binding}), "
             f"executor {self.executor.name}"

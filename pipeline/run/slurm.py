@@ -500,6 +500,7 @@ class SlurmExecutor:
     name = "slurm"
     Options = SlurmOptions
     admits_by_memory = True
+    host_memory = None  # the steps run on the nodes: nothing on this host tells their memory
 
     def __init__(self, options: SlurmOptions | None = None) -> None:
         self.options = options or SlurmOptions()

@@ -65,6 +65,7 @@ class FakeExecutor:
     name = "fake"
     Options = StepOptions
     admits_by_memory = False
+    host_memory = None  # its steps run nowhere: the runner writes heartbeats only
 
     def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None) -> None:
         self.behaviours = behaviours
