@@ -85,7 +85,8 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
         if row.run_id == run_id:
             latest[row.step] = row  # attempts come oldest first: the last one stays
     names = json.loads(run["steps"]) or list(latest)  # a build lists its compile jobs as they come
-    steps = []
+    reservations = ledger.reservations()
+    steps, reserved = [], 0
     for name in names:
         row = latest.get(name)
         state = states.get(name, {}).get("state") or ("running" if row and row.verdict is None else "ended")
@@ -102,6 +103,8 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
                     except OSError:
                         pass  # it ended between the listing and the read
                 step.last_line = _last_line(*attempt_logs(run_dir, name, row.attempt))
+                held = reservations.get(row.id)  # a compile job's, as it changes; else its limit
+                reserved += held[-1]["reserved_bytes"] if held else row.limit_bytes
         steps.append(step)
     last = ledger.last_host_sample(run_id)
     host = None
@@ -109,7 +112,6 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
         host = {"mem_total": last.mem_total, "mem_available": last.mem_available,
                 "available": last.available, "in_use": last.in_use}  # fmt: skip
     ended, note = run["state"] != "running", None
-    reserved = sum(s.limit_bytes or 0 for s in steps if s.verdict is None and s.attempt is not None)
     seen = ledger.last_seen(run_id) or run["started_at"]
     if not ended and now - seen > GONE_S:
         ended, note = True, (

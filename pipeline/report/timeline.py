@@ -1,10 +1,11 @@
 """A run on one clock: the host's memory and every attempt's, and what ran beside what.
 
 The ledger keeps each attempt's timeline relative to its start, one point per
-window of about a second holding the window's highest memory, and the host's
-memory one row a second holding that second's least MemAvailable (none where the
-steps ran on other machines). This module puts them on the run's wall clock,
-for the report's run chart and for ``explain``'s account of an attempt's neighbours.
+window of about a second holding the window's highest memory, a compile job's
+reservation at each change, and the host's memory one row a second holding that
+second's least MemAvailable (none where the steps ran on other machines). This
+module puts them on the run's wall clock, for the report's run chart and for
+``explain``'s account of an attempt's neighbours.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ class Track:
     ends: list[float]
     totals: list[int]
     anons: list[int]
+    held_from: list[float] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+    """A compile job's reservations: ``held[i]`` from ``held_from[i]`` until the next change."""
+
+    def held_at(self, t: float) -> int:
+        """What the attempt held of the budget at ``t``: its reservation then, else its limit."""
+        if not self.held:
+            return self.row.limit_bytes
+        return self.held[max(0, bisect.bisect_right(self.held_from, t) - 1)]
 
     def usage_at(self, t: float, *, anon: bool = False) -> int | None:
         """Memory at ``t``: the highest of the window holding ``t``; None outside the attempt."""
@@ -103,6 +113,7 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
     run_id = run["run_id"]
     host = ledger.host_samples(run_id)
     rows = [row for row in ledger.attempts() if row.run_id == run_id]
+    reservations = ledger.reservations()
     end = run["ended_at"] or time.time()
     seen = ledger.last_seen(run_id)
     if seen is not None:
@@ -114,6 +125,7 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
     tracks = []
     for row in rows:
         points = ledger.timeline(row.id)
+        held = reservations.get(row.id, [])
         track_end = min(row.ended_at or end, end)
         tracks.append(
             Track(
@@ -123,6 +135,8 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
                 ends=[row.started_at + p[0] for p in points],
                 totals=[p[1] for p in points],
                 anons=[p[2] for p in points],
+                held_from=[r["t"] for r in held],
+                held=[r["reserved_bytes"] for r in held],
             )
         )
     return RunTimeline(run=run, start=start, end=end, host=host, tracks=tracks)
