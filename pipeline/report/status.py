@@ -18,7 +18,6 @@ from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger
 from pipeline.run.manifest import MANIFEST_NAME, read_manifest
-from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.verdict import meaningful
 
 VERDICT_STYLE = {
@@ -216,9 +215,9 @@ def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int,
     return table
 
 
-def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list[str]:
-    """Plain sentences saying why an attempt ended as it did, and the facts behind it; ``pipeline``
-    is the pipeline file, which declares the step's outputs."""
+def explain(row: AttemptRow, run_dir: Path) -> list[str]:
+    """Plain sentences saying why an attempt ended as it did, and the facts behind it, from the
+    ledger (and the step's folder, for outputs written without a manifest)."""
     verdict = row.verdict
     if verdict is None:
         where = f"pid {row.pid}, {row.location}" if row.pid else row.location  # a Slurm job has no pid here
@@ -245,22 +244,19 @@ def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list
     if tail and verdict != "succeeded":
         lines.append("Last lines of stderr:")
         lines.extend(f"    {t}" for t in tail)
-    if verdict in ("crashed", "failed") and pipeline:
-        lines += _outputs_without_manifest(row, Path(run_dir), pipeline)
+    if verdict in ("crashed", "failed") and row.outputs:
+        lines += _outputs_without_manifest(row, Path(run_dir), row.outputs)
     stdout_log, stderr_log = attempt_logs(run_dir, row.step, row.attempt)
     lines.append(f"Logs: {stdout_log} and {stderr_log.name}")
     return lines
 
 
-def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> list[str]:
-    """When every output the step declares was written during this attempt but no manifest says
-    they are complete: their sizes and last writes, and how a plain command declares completion."""
-    try:
-        outputs = load_pipeline(pipeline).step(row.step).outputs
-    except (PipelineError, KeyError):  # the file moved or changed since: nothing to compare with
-        return []
+def _outputs_without_manifest(row: AttemptRow, run_dir: Path, outputs: list[str]) -> list[str]:
+    """When every output the step declared (as the attempt recorded them) was written during this
+    attempt but no manifest says they are complete: their sizes and last writes, and how a plain
+    command declares completion."""
     step_dir = run_dir / row.step
-    if not outputs or read_manifest(step_dir) is not None:
+    if read_manifest(step_dir) is not None:
         return []
     facts = []
     for name in outputs:
@@ -315,7 +311,6 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return 2
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    latest = ledger.latest_run()
-    for line in explain(row, run_dir, latest["pipeline"] if latest else None) + neighbours(ledger, row):
+    for line in explain(row, run_dir) + neighbours(ledger, row):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

@@ -106,6 +106,8 @@ _ADDED_COLUMNS = {
         # the runner's last sign of life in a second it wrote no host sample (one row a second)
         "heartbeat_at": "REAL",
     },
+    # JSON list: the outputs the step declared
+    "attempts": {"outputs": "TEXT"},
     # what `available` is left of: the limit of the cgroup that bound it, else MemTotal
     "host_samples": {"capacity": "INTEGER"},
 }
@@ -176,8 +178,15 @@ class AttemptRow:
         end = self.data["ended_at"]
         return None if end is None else end - self.data["started_at"]
 
+    @property
+    def outputs(self) -> list[str] | None:
+        """The outputs its step declared; None in a ledger written before they were recorded."""
+        recorded = self.data.get("outputs")
+        return None if recorded is None else json.loads(recorded)
+
     def as_json(self) -> dict[str, Any]:
         out = {k: self.data[k] for k in ATTEMPT_JSON_FIELDS}
+        out["outputs"] = self.outputs
         out["wall_s"] = self.wall_s
         out["stderr_tail"] = json.loads(self.data["stderr_tail"] or "[]")
         out["argv"] = json.loads(self.data["argv"])
@@ -269,13 +278,15 @@ class Ledger:
     def begin_attempt(self, *, run_id: str, step: str, attempt: int, executor: str,
                       limit_bytes: int, limit_reason: str | None, argv: list[str],
                       host_mem_available: int, host_mem_total: int, image: str | None,
-                      commit_id: str | None) -> int:  # fmt: skip
+                      commit_id: str | None, outputs: list[str] | None = None) -> int:  # fmt: skip
+        """``outputs``: what the step declares it writes (None: it declares nothing, as a compile job)."""
         cursor = self._write(
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
-            " commit_id, argv) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " commit_id, argv, outputs) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, step, attempt, executor, os.getpid(), limit_bytes, limit_reason, time.time(),
-             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv)),
+             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv),
+             None if outputs is None else json.dumps(outputs)),
         )  # fmt: skip
         return int(cursor.lastrowid)
 

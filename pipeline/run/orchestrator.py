@@ -327,7 +327,7 @@ class Orchestrator:
             run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
             limit_bytes=limit, limit_reason=limit_reason, argv=argv,
             host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
-            image=self._image(launch), commit_id=self.commit,
+            image=self._image(launch), commit_id=self.commit, outputs=step.outputs,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
         started_at = time.time()

@@ -127,7 +127,7 @@ def test_a_ledger_written_before_host_sampling_is_still_read(tmp_path):
     _recorded_run(tmp_path, host_available=0, with_host=False)
     db = sqlite3.connect(tmp_path / "ledger.sqlite")
     db.execute("DROP TABLE host_samples")  # as a ledger of an earlier eyrie is
-    for table, column in (("runs", "host_sampled"), ("runs", "heartbeat_at")):
+    for table, column in (("runs", "host_sampled"), ("runs", "heartbeat_at"), ("attempts", "outputs")):
         db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     db.commit()
     db.close()
