@@ -237,8 +237,13 @@ def explain(row: AttemptRow, run_dir: Path) -> list[str]:
         lines.append(f"Its limit was set so because: {row.limit_reason}.")
     lines.append(
         f"Ran {format_duration(row.wall_s)} from {clock(row.started_at)} to {clock(row.ended_at)}, "
-        f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}; host had "
-        f"{format_size(row.host_mem_available)} available of {format_size(row.host_mem_total)} at start."
+        f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}"
+        + (
+            f"; host had {format_size(row.host_mem_available)} available of "
+            f"{format_size(row.host_mem_total)} at start."
+            if row.host_mem_total  # none where the step ran on a node the runner does not see
+            else "."
+        )
     )
     tail = [t for t in json.loads(row.stderr_tail or "[]") if meaningful(t)][-5:]
     if tail and verdict != "succeeded":

@@ -277,9 +277,11 @@ class Ledger:
 
     def begin_attempt(self, *, run_id: str, step: str, attempt: int, executor: str,
                       limit_bytes: int, limit_reason: str | None, argv: list[str],
-                      host_mem_available: int, host_mem_total: int, image: str | None,
+                      host_mem_available: int | None, host_mem_total: int | None, image: str | None,
                       commit_id: str | None, outputs: list[str] | None = None) -> int:  # fmt: skip
-        """``outputs``: what the step declares it writes (None: it declares nothing, as a compile job)."""
+        """``host_mem_*``: the memory the step's executor saw at its start (None: it runs on a machine
+        this one does not see); ``outputs``: what the step declares it writes (None: it declares
+        nothing, as a compile job)."""
         cursor = self._write(
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"

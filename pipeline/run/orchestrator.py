@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import format_size, read_meminfo
+from pipeline.memory import format_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import AttemptStillRunning, Executor, Launch, Outcome, RunningAttempt
 from pipeline.run.host_sampler import HostSampler
@@ -321,12 +321,13 @@ class Orchestrator:
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
         attempt = ledger.next_attempt_number(step.name)
-        meminfo = read_meminfo()
+        host = self.executor.host_memory() if self.executor.host_memory else None  # None: not seen here
         launch = self._launch(step, attempt, argv, fingerprint, limit)
         attempt_id = ledger.begin_attempt(
             run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
             limit_bytes=limit, limit_reason=limit_reason, argv=argv,
-            host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
+            host_mem_available=None if host is None else host.mem_available,
+            host_mem_total=None if host is None else host.mem_total,
             image=self._image(launch), commit_id=self.commit, outputs=step.outputs,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)

@@ -326,3 +326,18 @@ def test_an_attempt_left_by_a_killed_runner_whose_step_changed_is_cancelled_and_
     first, second = ledger_of(tmp_path).attempts()
     assert first.verdict == "cancelled" and "its step's command changed" in first.reason
     assert second.verdict == "succeeded" and executor.reaped == ["job 41"]
+
+
+class SeeingExecutor(FakeExecutor):
+    host_memory = FakeExecutor.memory_budget  # its steps share what this budget says
+
+
+def test_an_attempt_records_the_memory_its_executor_sees_and_none_it_cannot(tmp_path):
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "seen").mkdir()
+    run(tmp_path / "nodes", [{"name": "prep"}], FakeExecutor({"prep": ends(outcome(0))}))
+    (blind,) = ledger_of(tmp_path / "nodes").attempts()
+    assert (blind.host_mem_available, blind.host_mem_total) == (None, None)  # not the runner's host
+    run(tmp_path / "seen", [{"name": "prep"}], SeeingExecutor({"prep": ends(outcome(0))}))
+    (seen,) = ledger_of(tmp_path / "seen").attempts()
+    assert (seen.host_mem_available, seen.host_mem_total) == (2**34, 2**35)
