@@ -87,8 +87,8 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
     measure = "its memory, page cache included," if killed else "its anonymous memory"
     of_limit = f"{format_size(used)} of its {format_size(row.limit_bytes)} limit"
     if share >= NEAR_LIMIT:
-        room = f" while the host had {format_size(host.available)} available" if host is not None else ""
-        also = f" {_what_was_full(host).capitalize()} was nearly full as well." if full else ""
+        room = f" while {_shared_memory(host)} had {format_size(host.available)} available" if host else ""
+        also = f" {_shared_memory(host).capitalize()} was nearly full as well." if full else ""
         return (
             f"Over its own limit: {measure} reached {of_limit}{room}; its limit stopped it, not the host. "
             f"Raise its memory: or make it use less.{also}"
@@ -96,10 +96,10 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
     if full:
         largest = max(beside, key=lambda b: b[1] or 0, default=None)
         culprit = f" (the largest beside it: {_name(largest[0])})" if largest and largest[1] else ""
-        whole = _what_was_full(host)
+        shared = _shared_memory(host)
         return (
-            f"{whole.capitalize()} was full because of something else: {measure} peaked at {of_limit}, "
-            f"but {whole} had only {format_size(host.available)} available of {format_size(host.pool)}"
+            f"{shared.capitalize()} was full because of something else: {measure} peaked at {of_limit}, "
+            f"but {shared} had only {format_size(host.available)} available of {format_size(host.pool)}"
             f"{culprit}. Free memory there, or lower the pipeline's budget so fewer steps run together."
         )
     if host is None:
@@ -112,7 +112,7 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
         )
     free = host.available / host.pool if host.pool else 0.0
     low = (
-        f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and {_what_was_full(host)} "
+        f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and {_shared_memory(host)} "
         f"had {free:.0%} of its memory available"
     )
     if row.verdict == "memory_error":
@@ -120,7 +120,7 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
     return f"{low}, so memory did not end it; look at its exit status and stderr instead."
 
 
-def _what_was_full(host: HostSample) -> str:
+def _shared_memory(host: HostSample) -> str:
     """What the steps share: the host, or the cgroup eyrie runs in where its limit binds."""
     return "the host" if host.pool >= host.mem_total else "the cgroup eyrie runs in"
 

@@ -160,6 +160,7 @@ class HostSample:
 
     @property
     def pool(self) -> int:
+        """What the steps' memory is a share of: the binding cgroup's limit, else MemTotal."""
         return self.capacity or self.mem_total
 
 
