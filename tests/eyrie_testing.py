@@ -8,10 +8,12 @@ whatever other conftest.py files pytest has loaded.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,26 @@ def eyrie(*args: str, check: bool = False, timeout: float = 300) -> subprocess.C
             f"eyrie {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def eyrie_in_small_cgroup(limit_bytes: int, *args: str, env: dict[str, str] | None = None,
+                          timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+    """The real `eyrie ARGS…` started in a fresh memory cgroup limited to ``limit_bytes``, as a runner
+    in a small container or scope on a roomy host is; the cgroup is removed once it ends."""
+    from pipeline.memory import step_parent
+
+    cgroup = step_parent().child(f"eyrie-test-{uuid.uuid4().hex[:8]}")
+    cgroup.create()
+    try:
+        cgroup.set_limit(limit_bytes)
+        return subprocess.run(
+            ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup.path),
+             sys.executable, "-m", "pipeline.cli", *args],
+            capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or dict(os.environ),
+        )  # fmt: skip
+    finally:
+        for below, _, _ in os.walk(cgroup.path, topdown=False):
+            os.rmdir(below)  # the runner's own step parent, then the cgroup: empty once it ended
 
 
 def attempts_json(run_dir: Path) -> list[dict]:

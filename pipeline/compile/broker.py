@@ -41,7 +41,15 @@ from pathlib import Path
 from pipeline.compile.profile import JobKey, Profile, parse_nvcc_argv
 from pipeline.compile.scheduler import AdmissionScheduler, BudgetTooSmall, Job, ShapeWatch
 from pipeline.compile.unconfined import UnconfinedExecutor, tree_anon_bytes
-from pipeline.memory import Cgroup, CgroupError, CgroupV2, format_size, read_meminfo, step_parent
+from pipeline.memory import (
+    Cgroup,
+    CgroupError,
+    CgroupV2,
+    format_size,
+    memory_budget,
+    read_meminfo,
+    step_parent,
+)
 from pipeline.run.executor import Launch, Outcome, executor_class
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.ledger import Ledger, RunState
@@ -131,7 +139,7 @@ class BuildBroker:
                 "run as plain processes, peaks read from /proc"
             )
         self.ledger.start_run(self.run_id, "eyrie build", self.executor.name, [], self.budget, "build budget")
-        self.host = HostSampler(self.ledger, self.run_id).start()
+        self.host = HostSampler(self.ledger, self.run_id, memory_budget).start()  # jobs share this budget
         broker = self
 
         class Handler(socketserver.StreamRequestHandler):

@@ -5,14 +5,14 @@ run directory and, for memory in use, the steps' cgroups: each step's state,
 its memory against its limit, its peak, records and elapsed time, the host's
 memory and the budget, and the last line each running step printed. It ends
 when the run ends, leaving the last view on screen; ``--json`` prints the same
-view as one JSON object a line.
+view as one JSON object a line. A runner writes a host sample or a heartbeat
+every second: when the latest is ``GONE_S`` old, the runner is taken as gone,
+whatever host it ran on and whatever its pid has become since.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,11 +28,13 @@ from rich.text import Text
 
 from pipeline.memory import cgroup_at, format_duration, format_size
 from pipeline.report.status import VERDICT_STYLE, open_ledger, unreadable, wide_console
+from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0
+GONE_S = 15.0  # no host sample nor heartbeat (one a second) for this long: the runner is gone
 TAIL_BYTES = 8192  # enough of a log's end to hold its last line
 
 
@@ -60,6 +62,8 @@ class RunView:
     budget_bytes: int | None
     reserved_bytes: int
     host: dict[str, int] | None
+    host_sampled: bool
+    """False when the steps run on machines the runner cannot see (Slurm's nodes)."""
     steps: list[StepView] = field(default_factory=list)
     note: str | None = None
 
@@ -80,7 +84,8 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
         if row.run_id == run_id:
             latest[row.step] = row  # attempts come oldest first: the last one stays
     names = json.loads(run["steps"]) or list(latest)  # a build lists its compile jobs as they come
-    steps = []
+    reservations = ledger.reservations()
+    steps, reserved = [], 0
     for name in names:
         row = latest.get(name)
         state = states.get(name, {}).get("state") or ("running" if row and row.verdict is None else "ended")
@@ -97,6 +102,8 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
                     except OSError:
                         pass  # it ended between the listing and the read
                 step.last_line = _last_line(*attempt_logs(run_dir, name, row.attempt))
+                held = reservations.get(row.id)  # a compile job's, as it changes; else its limit
+                reserved += held[-1]["reserved_bytes"] if held else row.limit_bytes
         steps.append(step)
     last = ledger.last_host_sample(run_id)
     host = None
@@ -104,23 +111,17 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
         host = {"mem_total": last.mem_total, "mem_available": last.mem_available,
                 "available": last.available, "in_use": last.in_use}  # fmt: skip
     ended, note = run["state"] != RunState.RUNNING, None
-    if not ended and run["host"] == socket.gethostname() and not _alive(run["orchestrator_pid"]):
-        ended, note = True, f"the runner (pid {run['orchestrator_pid']}) is gone; the run did not end cleanly"
-    reserved = sum(s.limit_bytes or 0 for s in steps if s.verdict is None and s.attempt is not None)
+    seen = ledger.last_seen(run_id) or run["started_at"]
+    if not ended and now - seen > GONE_S:
+        ended, note = True, (
+            f"the runner (pid {run['orchestrator_pid']} on {run['host']}) is gone: its last sign of "
+            f"life was {format_duration(now - seen)} ago, at {clock(seen)}; the run did not end cleanly"
+        )
     return RunView(
         at=now, run_id=run_id, pipeline=run["pipeline"], state=run["state"], ended=ended,
-        budget_bytes=run["budget_bytes"], reserved_bytes=reserved, host=host, steps=steps, note=note,
+        budget_bytes=run["budget_bytes"], reserved_bytes=reserved, host=host,
+        host_sampled=run.get("host_sampled") != 0, steps=steps, note=note,
     )  # fmt: skip
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process, alive
-    return True
 
 
 def _last_line(*logs: Path) -> str | None:
@@ -155,6 +156,8 @@ def render(run: RunView) -> Group:
         )
         if host["available"] < host["mem_available"]:
             memory.append(f" ({format_size(host['available'])} left by eyrie's cgroups)")
+    elif not run.host_sampled:
+        memory.append("not sampled: the steps run on the cluster's nodes", style="dim")
     else:
         memory.append("not sampled in this ledger", style="dim")
     memory.append(

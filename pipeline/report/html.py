@@ -189,7 +189,7 @@ def render(ledger: Ledger, run_dir: Path) -> str:
     runs = "".join(_run_section(ledger, run) for run in reversed(ledger.runs()))
     sections = []
     for row in attempts:
-        lines = explain(row, run_dir, latest["pipeline"] if latest else None) + neighbours(ledger, row)
+        lines = explain(row, run_dir) + neighbours(ledger, row)
         why = "".join(f"{esc(line)}\n" for line in lines)
         sections.append(
             f"<h2 id='{esc(row.step)}-{row.attempt}'>{esc(row.step)} attempt {row.attempt}: "

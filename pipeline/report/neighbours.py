@@ -1,9 +1,12 @@
 """What the host had when an attempt died: its memory, the steps beside it, and what that means.
 
 "Was it OOM?" has three answers a reader must tell apart: the step was over its
-own limit; the host was full because of something else; or memory was not
-short, so the cause is elsewhere. The ledger's samples of the host and of every
-attempt answer it for the moment the attempt was killed or crashed.
+own limit; the host (or the cgroup the steps share) was full because of
+something else; or memory was not short, so the cause is elsewhere. The
+ledger's samples of the host and of every attempt answer it for the moment the
+attempt was killed or crashed. The host is judged as the step's executor saw
+it; where the steps ran on machines the runner could not see (Slurm's nodes),
+only the step's own limit is.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pipeline.run.ledger import AttemptRow, HostSample, Ledger
 from pipeline.run.verdict import Verdict
 
 NEAR_LIMIT = 0.9  # memory this close to its limit: the limit is what stopped the attempt
-HOST_FULL = 0.05  # less than this share of the host's memory left: the host was full
+HOST_FULL = 0.05  # less than this share left of the memory the steps share: it was full
 
 
 def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
@@ -36,6 +39,13 @@ def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
     when = f"At {clock(moment)}, " + (
         "when its OOM kill was counted" if what == "OOM kill" else "when it ended"
     )
+    if timeline.steps_elsewhere:
+        return [
+            f"{when}, it ran on a node of the cluster ({row.executor} executor, {row.location or '-'}), "
+            "not on the runner's host: eyrie has no record of that node's memory, nor of what else ran "
+            "there, so only its own limit can be judged.",
+            _judgement(row, None, []),
+        ]
     host = timeline.host_at(moment)
     beside = [(t, t.usage_at(moment)) for t in timeline.running_at(moment) if t.row.id != row.id]
     lines = []
@@ -48,6 +58,7 @@ def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
     else:
         cgroups = (
             f"; the cgroups eyrie runs in left it {format_size(host.available)}"
+            + (f" of their {format_size(host.pool)} limit" if host.pool < host.mem_total else "")
             if host.available < host.mem_available * (1 - HOST_FULL)
             else ""
         )
@@ -78,23 +89,26 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
     # the anonymous memory, as page cache alone fills a cgroup that reads files and harms no one.
     used = (row.peak_bytes if killed else row.anon_peak_bytes or row.peak_bytes) or 0
     share = used / row.limit_bytes if row.limit_bytes else 0.0
-    host_full = host is not None and host.available < HOST_FULL * host.mem_total
+    # Full is judged against what the steps share: the host's memory, or, where a cgroup above
+    # the steps binds, that cgroup's limit (a runner in a small cgroup on a roomy host is not full).
+    full = host is not None and host.available < HOST_FULL * host.pool
     measure = "its memory, page cache included," if killed else "its anonymous memory"
     of_limit = f"{format_size(used)} of its {format_size(row.limit_bytes)} limit"
     if share >= NEAR_LIMIT:
-        room = f" while the host had {format_size(host.available)} available" if host is not None else ""
-        also = " The host was nearly full as well." if host_full else ""
+        room = f" while {_shared_memory(host)} had {format_size(host.available)} available" if host else ""
+        also = f" {_shared_memory(host).capitalize()} was nearly full as well." if full else ""
         return (
             f"Over its own limit: {measure} reached {of_limit}{room}; its limit stopped it, not the host. "
             f"Raise its memory: or make it use less.{also}"
         )
-    if host_full:
+    if full:
         largest = max(beside, key=lambda b: b[1] or 0, default=None)
         culprit = f" (the largest beside it: {_name(largest[0])})" if largest and largest[1] else ""
+        shared = _shared_memory(host)
         return (
-            f"The host was full because of something else: {measure} peaked at {of_limit}, but the host "
-            f"had only {format_size(host.available)} available{culprit}. Free memory on the host, or lower "
-            "the pipeline's budget so fewer steps run together."
+            f"{shared.capitalize()} was full because of something else: {measure} peaked at {of_limit}, "
+            f"but {shared} had only {format_size(host.available)} available of {format_size(host.pool)}"
+            f"{culprit}. Free memory there, or lower the pipeline's budget so fewer steps run together."
         )
     if host is None:
         return f"{measure.capitalize()} peaked at {of_limit}: its own limit did not stop it."
@@ -104,14 +118,19 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
             f"{format_size(host.available)} available: a cgroup above it may have reached its own limit "
             "(see `eyrie memory`)."
         )
-    free = host.available / host.mem_total if host.mem_total else 0.0
+    free = host.available / host.pool if host.pool else 0.0
     low = (
-        f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and the host had {free:.0%} "
-        "of its memory available"
+        f"Memory was not short: {measure} peaked at {of_limit} ({share:.0%}) and {_shared_memory(host)} "
+        f"had {free:.0%} of its memory available"
     )
     if row.verdict == Verdict.MEMORY_ERROR.value:
         return f"{low}: the allocation that failed asked for more than there was; see its size in stderr."
     return f"{low}, so memory did not end it; look at its exit status and stderr instead."
+
+
+def _shared_memory(host: HostSample) -> str:
+    """What the steps share: the host, or the cgroup eyrie runs in where its limit binds."""
+    return "the host" if host.pool >= host.mem_total else "the cgroup eyrie runs in"
 
 
 def _name(track: Track) -> str:

@@ -3,11 +3,12 @@
 Three panels share the time axis:
 
 - host: memory in use (each step's anonymous memory in its colour, the rest of
-  the host grey), MemAvailable, and the run's budget;
-- steps: each attempt a band as high as its limit, filled by what its cgroup
-  was charged, stacked in start order, so the stack's top is what the running
-  steps reserved against the budget (for a build: each compile job's
-  reservation and its real use);
+  the host grey), MemAvailable, and the run's budget; left out, saying why,
+  when the steps ran on machines the runner could not see (Slurm's nodes);
+- steps: each attempt a band as high as what it held of the budget — its
+  limit, or a compile job's reservation as it changed — filled by what its
+  cgroup was charged, stacked in start order, so the stack's top is what the
+  running steps held against the budget at that moment;
 - attempts: a Gantt bar per attempt coloured by verdict, its fill the attempt's
   memory against its limit.
 
@@ -16,6 +17,7 @@ Every OOM kill and crash is a vertical line at its moment, across all three.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -79,7 +81,8 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
 
     # The host panel's title, then a lane per event label, then the panels: no line crosses a title.
     lane_top = 22
-    host_box = (lane_top + LANE_H * lanes + 6, lane_top + LANE_H * lanes + 6 + HOST_H)
+    host_h = 0 if timeline.steps_elsewhere else HOST_H  # then only its title, saying why
+    host_box = (lane_top + LANE_H * lanes + 6, lane_top + LANE_H * lanes + 6 + host_h)
     steps_box = (host_box[1] + TITLE_H, host_box[1] + TITLE_H + STEPS_H)
     row_h = 16 if len(tracks) <= 40 else max(6, 640 // len(tracks))
     gantt_box = (steps_box[1] + TITLE_H, steps_box[1] + TITLE_H + row_h * max(len(tracks), 1))
@@ -94,8 +97,15 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
     body: list[str] = [
         x_axis(x, span, box[0], box[1], labels_at=gantt_box[1] + 16 if box == gantt_box else None)
         for box in (host_box, steps_box, gantt_box)
+        if box[1] > box[0]
     ]
-    body += _host_panel(timeline, tracks, edges, xs, host_box, colors, legend)
+    if timeline.steps_elsewhere:
+        body.append(_title(
+            f"Host memory: not sampled — the steps ran on the cluster's nodes ({timeline.run['executor']} "
+            "executor), which the runner cannot see", 14,
+        ))  # fmt: skip
+    else:
+        body += _host_panel(timeline, tracks, edges, xs, host_box, colors, legend)
     body += _steps_panel(timeline, tracks, edges, xs, steps_box, colors, legend)
     body += _gantt(tracks, x, timeline.start, gantt_box, row_h)
     for i, (track, moment, what) in enumerate(events):
@@ -172,8 +182,23 @@ def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float],
                  box: tuple[int, int], colors: dict[str, str],
                  legend: list[Legend]) -> list[str]:  # fmt: skip
     cols = range(len(edges) - 1)
-    usage = {t.row.id: [t.usage_between(edges[i], edges[i + 1]) for i in cols] for t in tracks}
-    reserved = [sum(t.row.limit_bytes for t in tracks if usage[t.row.id][i] is not None) for i in cols]
+    # What each attempt held in each column, at one moment: the column's middle, as the budget is
+    # kept at every moment (a column's highest of each would stack a job admitted late in it on the
+    # share that made room for it). An attempt shorter than a column is drawn at its own middle.
+    middles = [(edges[i] + edges[i + 1]) / 2 for i in cols]
+    held = {}
+    for t in tracks:
+        moments: list[float | None] = [m if t.start <= m <= t.end else None for m in middles]
+        if all(m is None for m in moments):
+            own = (t.start + t.end) / 2
+            moments[min(bisect.bisect_right(edges, own), len(middles)) - 1] = own
+        held[t.row.id] = [None if m is None else t.held_at(m) for m in moments]
+    usage = {
+        t.row.id: [t.usage_between(edges[i], edges[i + 1]) if held[t.row.id][i] is not None else None
+                   for i in cols]
+        for t in tracks
+    }  # fmt: skip
+    reserved = [sum(held[t.row.id][i] or 0 for t in tracks) for i in cols]
     budget = timeline.run["budget_bytes"]
     top = max([*reserved, 1])
     budget_shown = bool(budget) and budget <= 1.5 * top
@@ -181,19 +206,20 @@ def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float],
         top = max(top, budget)
     ticks = byte_ticks(top)
     y = Scale(0, ticks[-1], box[1], box[0])
-    title = "Steps: each band is an attempt's limit, filled by the memory its cgroup was charged"
+    title = (
+        "Steps: each band is what an attempt held of the budget (its limit, or a compile job's "
+        "reservation), filled by the memory its cgroup was charged"
+    )
     if budget and not budget_shown:
         title += f" (the budget, {byte_label(budget)}, is far above)"
     parts = [_title(title, box[0] - 9), y_axis(y, ticks, LEFT, WIDTH - RIGHT)]
     base = [0] * len(reserved)
     for track in tracks:
-        values = usage[track.row.id]
-        running = [v is not None for v in values]
-        if not any(running):
+        values, heights = usage[track.row.id], held[track.row.id]
+        if all(h is None for h in heights):
             continue
-        limit = track.row.limit_bytes
-        upper = [base[i] + (limit if running[i] else 0) for i in cols]
-        filled = [base[i] + min(values[i] or 0, limit) for i in cols]
+        upper = [base[i] + (heights[i] or 0) for i in cols]
+        filled = [base[i] + min(values[i] or 0, heights[i] or 0) for i in cols]
         color = colors[track.row.step]
         outline = band_path(xs, _px(base, y), _px(upper, y))
         parts.append(
@@ -203,7 +229,7 @@ def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float],
         parts.append(_area(xs, base, filled, y, color, f"steps-{track.row.step}"))
         parts.append(_band_label(track, xs, base, upper, y))
         base = upper
-    legend.append(Legend(TEXT_COLOR, "an attempt's limit (its reservation)", "band"))
+    legend.append(Legend(TEXT_COLOR, "what an attempt held of the budget (its limit or reservation)", "band"))
     if budget_shown:
         parts.append(_budget(y, budget))
     if budget:

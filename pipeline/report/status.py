@@ -17,7 +17,6 @@ from pipeline.report.neighbours import neighbours
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger, StepState
-from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.step_contract import MANIFEST_NAME, read_manifest
 from pipeline.run.verdict import meaningful
 
@@ -218,9 +217,9 @@ def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int,
     return table
 
 
-def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list[str]:
-    """Plain sentences saying why an attempt ended as it did, and the facts behind it; ``pipeline``
-    is the pipeline file, which declares the step's outputs."""
+def explain(row: AttemptRow, run_dir: Path) -> list[str]:
+    """Plain sentences saying why an attempt ended as it did, and the facts behind it, from the
+    ledger (and the step's folder, for outputs written without a manifest)."""
     verdict = row.verdict
     if verdict is None:
         where = f"pid {row.pid}, {row.location}" if row.pid else row.location  # a Slurm job has no pid here
@@ -240,29 +239,31 @@ def explain(row: AttemptRow, run_dir: Path, pipeline: str | None = None) -> list
         lines.append(f"Its limit was set so because: {row.limit_reason}.")
     lines.append(
         f"Ran {format_duration(row.wall_s)} from {clock(row.started_at)} to {clock(row.ended_at)}, "
-        f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}; host had "
-        f"{format_size(row.host_mem_available)} available of {format_size(row.host_mem_total)} at start."
+        f"exit {exit_text(row)}, {row.executor} executor at {row.location or '-'}"
+        + (
+            f"; host had {format_size(row.host_mem_available)} available of "
+            f"{format_size(row.host_mem_total)} at start."
+            if row.host_mem_total  # none where the step ran on a node the runner does not see
+            else "."
+        )
     )
     tail = [t for t in json.loads(row.stderr_tail or "[]") if meaningful(t)][-5:]
     if tail and verdict != "succeeded":
         lines.append("Last lines of stderr:")
         lines.extend(f"    {t}" for t in tail)
-    if verdict in ("crashed", "failed") and pipeline:
-        lines += _outputs_without_manifest(row, Path(run_dir), pipeline)
+    if verdict in ("crashed", "failed") and row.outputs:
+        lines += _outputs_without_manifest(row, Path(run_dir), row.outputs)
     stdout_log, stderr_log = attempt_logs(run_dir, row.step, row.attempt)
     lines.append(f"Logs: {stdout_log} and {stderr_log.name}")
     return lines
 
 
-def _outputs_without_manifest(row: AttemptRow, run_dir: Path, pipeline: str) -> list[str]:
-    """When every output the step declares was written during this attempt but no manifest says
-    they are complete: their sizes and last writes, and how a plain command declares completion."""
-    try:
-        outputs = load_pipeline(pipeline).step(row.step).outputs
-    except (PipelineError, KeyError):  # the file moved or changed since: nothing to compare with
-        return []
+def _outputs_without_manifest(row: AttemptRow, run_dir: Path, outputs: list[str]) -> list[str]:
+    """When every output the step declared (as the attempt recorded them) was written during this
+    attempt but no manifest says they are complete: their sizes and last writes, and how a plain
+    command declares completion."""
     step_dir = run_dir / row.step
-    if not outputs or read_manifest(step_dir) is not None:
+    if read_manifest(step_dir) is not None:
         return []
     facts = []
     for name in outputs:
@@ -317,7 +318,6 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return 2
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    latest = ledger.latest_run()
-    for line in explain(row, run_dir, latest["pipeline"] if latest else None) + neighbours(ledger, row):
+    for line in explain(row, run_dir) + neighbours(ledger, row):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

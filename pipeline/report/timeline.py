@@ -1,9 +1,10 @@
 """A run on one clock: the host's memory and every attempt's, and what ran beside what.
 
 The ledger keeps each attempt's timeline relative to its start, one point per
-window of about a second holding the window's highest memory, and the host's
-memory one row a second holding that second's least MemAvailable. This module
-puts them on the run's wall clock, for the report's run chart and for
+window of about a second holding the window's highest memory, a compile job's
+reservation at each change, and the host's memory one row a second holding that
+second's least MemAvailable (none where the steps ran on other machines). This
+module puts them on the run's wall clock, for the report's run chart and for
 ``explain``'s account of an attempt's neighbours.
 """
 
@@ -38,6 +39,15 @@ class Track:
     ends: list[float]
     totals: list[int]
     anons: list[int]
+    held_from: list[float] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+    """A compile job's reservations: ``held[i]`` from ``held_from[i]`` until the next change."""
+
+    def held_at(self, t: float) -> int:
+        """What the attempt held of the budget at ``t``: its reservation then, else its limit."""
+        if not self.held:
+            return self.row.limit_bytes
+        return self.held[max(0, bisect.bisect_right(self.held_from, t) - 1)]
 
     def usage_at(self, t: float, *, anon: bool = False) -> int | None:
         """Memory at ``t``: the highest of the window holding ``t``; None outside the attempt."""
@@ -75,6 +85,11 @@ class RunTimeline:
     tracks: list[Track]
     host_times: list[float] = field(init=False)
 
+    @property
+    def steps_elsewhere(self) -> bool:
+        """The run's steps ran on machines its runner could not see (Slurm's nodes): no host samples."""
+        return self.run.get("host_sampled") == 0
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_times", [s.t for s in self.host])
 
@@ -101,16 +116,19 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
     run_id = run["run_id"]
     host = ledger.host_samples(run_id)
     rows = [row for row in ledger.attempts() if row.run_id == run_id]
+    reservations = ledger.reservations()
     end = run["ended_at"] or time.time()
-    if host:
+    seen = ledger.last_seen(run_id)
+    if seen is not None:
         # A runner killed without warning leaves its run open until the next run closes it:
-        # its last host sample, not that later moment, is when it was last seen.
-        end = min(end, host[-1].t + SAMPLE_S)
+        # its last host sample or heartbeat, not that later moment, is when it was last seen.
+        end = min(end, seen + SAMPLE_S)
     start = min([run["started_at"], *(row.started_at for row in rows)])
     end = max([end, start, *(row.started_at for row in rows)])
     tracks = []
     for row in rows:
         points = ledger.timeline(row.id)
+        held = reservations.get(row.id, [])
         track_end = min(row.ended_at or end, end)
         tracks.append(
             Track(
@@ -120,6 +138,8 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
                 ends=[row.started_at + p[0] for p in points],
                 totals=[p[1] for p in points],
                 anons=[p[2] for p in points],
+                held_from=[r["t"] for r in held],
+                held=[r["reserved_bytes"] for r in held],
             )
         )
     return RunTimeline(run=run, start=start, end=end, host=host, tracks=tracks)

@@ -394,6 +394,8 @@ class DockerExecutor:
             binding="MemAvailable of the Docker host",
         )
 
+    host_memory = memory_budget  # not this process's: in compose its container's limit is its own
+
     # -- executor interface --------------------------------------------------------------
     def start(self, launch: Launch) -> DockerAttempt:
         try:

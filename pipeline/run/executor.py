@@ -178,6 +178,11 @@ class Executor(Protocol):
         given a step's ``options``, what that step can have (a Slurm step: the largest node of its
         own partition)."""
 
+    host_memory: Callable[[], Budget] | None
+    """What the run's host samples read, four times a second: the memory its running steps share, as
+    it sees it now (usually ``memory_budget``); None when its steps run on machines this one cannot
+    see (Slurm's nodes), where no sample would be true."""
+
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """Before anything starts: refuse, with an ExecutorError, what cannot work (``options``: each
         step's own, by step name), so that no step runs in a run that cannot finish."""

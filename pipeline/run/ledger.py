@@ -131,6 +131,21 @@ CREATE TABLE IF NOT EXISTS reservations (  -- compile jobs: what a build holds f
 );
 """
 
+# Columns added since their tables were first released, with what they hold: a ledger that lacks
+# them gains them when a run writes to it, and readers take a missing one as NULL.
+_ADDED_COLUMNS = {
+    "runs": {
+        # 0: the executor's steps run on machines this one cannot see (Slurm), so no host samples
+        "host_sampled": "INTEGER",
+        # the runner's last sign of life in a second it wrote no host sample (one row a second)
+        "heartbeat_at": "REAL",
+    },
+    # JSON list: the outputs the step declared
+    "attempts": {"outputs": "TEXT"},
+    # what `available` is left of: the limit of the cgroup that bound it, else MemTotal
+    "host_samples": {"capacity": "INTEGER"},
+}
+
 ATTEMPT_JSON_FIELDS = (
     "run_id", "step", "attempt", "state", "verdict", "reason", "executor", "pid", "location",
     "limit_bytes", "limit_reason", "peak_bytes", "anon_peak_bytes", "oom_kills",
@@ -162,15 +177,25 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
 
 @dataclass(frozen=True)
 class HostSample:
+    """The memory of the machine the steps run on, as their executor sees it, at ``t``."""
+
     t: float
     mem_total: int
     mem_available: int
     available: int
+    """What the steps really have left: MemAvailable, or less where the cgroups they run under bind."""
+    capacity: int | None = None
+    """What ``available`` is left of: the limit of the cgroup that binds it, else (None) MemTotal."""
 
     @property
     def in_use(self) -> int:
         """Memory in use as ``free`` counts it: everything MemAvailable does not count as available."""
         return self.mem_total - self.mem_available
+
+    @property
+    def pool(self) -> int:
+        """What the steps' memory is a share of: the binding cgroup's limit, else MemTotal."""
+        return self.capacity or self.mem_total
 
 
 @dataclass(frozen=True)
@@ -188,8 +213,15 @@ class AttemptRow:
         end = self.data["ended_at"]
         return None if end is None else end - self.data["started_at"]
 
+    @property
+    def outputs(self) -> list[str] | None:
+        """The outputs its step declared; None in a ledger written before they were recorded."""
+        recorded = self.data.get("outputs")
+        return None if recorded is None else json.loads(recorded)
+
     def as_json(self) -> dict[str, Any]:
         out = {k: self.data[k] for k in ATTEMPT_JSON_FIELDS}
+        out["outputs"] = self.outputs
         out["wall_s"] = self.wall_s
         out["stderr_tail"] = json.loads(self.data["stderr_tail"] or "[]")
         out["argv"] = json.loads(self.data["argv"])
@@ -212,6 +244,7 @@ class Ledger:
             self._db.execute("PRAGMA synchronous=NORMAL")
             with self._lock:
                 self._db.executescript(_SCHEMA)
+                self._add_missing_columns()
         else:
             self._db = _connect_read_only(self.path)
         self._db.row_factory = sqlite3.Row
@@ -220,18 +253,32 @@ class Ledger:
     def close(self) -> None:
         self._db.close()
 
+    def _add_missing_columns(self) -> None:
+        for table, columns in _ADDED_COLUMNS.items():
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in present:
+                    try:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+                    except sqlite3.OperationalError as exc:
+                        if "duplicate column" not in str(exc):
+                            raise  # else another writer opening the same ledger added it first
+
     def _write(self, sql: str, params: tuple | dict = ()) -> sqlite3.Cursor:
         with self._lock:
             return self._db.execute(sql, params)
 
     # -- runs and step states ---------------------------------------------------------
     def start_run(self, run_id: str, pipeline: str, executor: str, steps: list[str],
-                  budget_bytes: int | None, budget_binding: str | None) -> None:  # fmt: skip
+                  budget_bytes: int | None, budget_binding: str | None, *,
+                  host_sampled: bool = True) -> None:  # fmt: skip
+        """``host_sampled``: False when the executor's steps run on machines this one cannot see."""
         self._write(
             "INSERT INTO runs (run_id, pipeline, started_at, state, orchestrator_pid, host, executor,"
-            " budget_bytes, budget_binding, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " budget_bytes, budget_binding, steps, host_sampled)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, pipeline, time.time(), RunState.RUNNING.value, os.getpid(), socket.gethostname(),
-             executor, budget_bytes, budget_binding, json.dumps(steps)),
+             executor, budget_bytes, budget_binding, json.dumps(steps), int(host_sampled)),
         )  # fmt: skip
         for step in steps:
             self.set_step_state(run_id, step, StepState.PENDING)
@@ -266,14 +313,18 @@ class Ledger:
 
     def begin_attempt(self, *, run_id: str, step: str, attempt: int, executor: str,
                       limit_bytes: int, limit_reason: str | None, argv: list[str],
-                      host_mem_available: int, host_mem_total: int, image: str | None,
-                      commit_id: str | None) -> int:  # fmt: skip
+                      host_mem_available: int | None, host_mem_total: int | None, image: str | None,
+                      commit_id: str | None, outputs: list[str] | None = None) -> int:  # fmt: skip
+        """``host_mem_*``: the memory the step's executor saw at its start (None: it runs on a machine
+        this one does not see); ``outputs``: what the step declares it writes (None: it declares
+        nothing, as a compile job)."""
         cursor = self._write(
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
-            " commit_id, argv) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " commit_id, argv, outputs) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, step, attempt, executor, os.getpid(), limit_bytes, limit_reason, time.time(),
-             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv)),
+             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv),
+             None if outputs is None else json.dumps(outputs)),
         )  # fmt: skip
         return int(cursor.lastrowid)
 
@@ -346,33 +397,45 @@ class Ledger:
         ).fetchall()
         return [tuple(r) for r in rows]
 
-    # -- the host ---------------------------------------------------------------------------
+    # -- the host, and the runner's signs of life -----------------------------------------------
     def add_host_sample(self, run_id: str, sample: HostSample) -> None:
         self._write(
-            "INSERT INTO host_samples (run_id, t, mem_total, mem_available, available)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (run_id, sample.t, sample.mem_total, sample.mem_available, sample.available),
+            "INSERT INTO host_samples (run_id, t, mem_total, mem_available, available, capacity)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (run_id, sample.t, sample.mem_total, sample.mem_available, sample.available, sample.capacity),
         )
+
+    def heartbeat(self, run_id: str) -> None:
+        """The runner is alive, in a second it wrote no host sample (its executor samples none)."""
+        self._write("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
 
     def host_samples(self, run_id: str) -> list[HostSample]:
         """The host's memory during a run, oldest first; none in a ledger written before it was sampled."""
-        if not self._has_table("host_samples"):
-            return []
-        rows = self._db.execute(
-            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ? ORDER BY t",
-            (run_id,),
-        ).fetchall()
-        return [HostSample(*r) for r in rows]
+        return self._host_samples("WHERE run_id = ? ORDER BY t", (run_id,))
 
     def last_host_sample(self, run_id: str) -> HostSample | None:
+        return next(iter(self._host_samples("WHERE run_id = ? ORDER BY t DESC LIMIT 1", (run_id,))), None)
+
+    def last_seen(self, run_id: str) -> float | None:
+        """When the runner of a run last wrote a host sample or a heartbeat (once a second while it
+        lives); None when it wrote neither, as runners did before either was recorded."""
+        run = self._db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        last = self.last_host_sample(run_id)
+        signs = [
+            *([run["heartbeat_at"]] if run is not None and "heartbeat_at" in run.keys() else []),
+            *([last.t] if last is not None else []),
+        ]
+        return max((t for t in signs if t is not None), default=None)
+
+    def _host_samples(self, where: str, params: tuple) -> list[HostSample]:
         if not self._has_table("host_samples"):
-            return None
-        row = self._db.execute(
-            "SELECT t, mem_total, mem_available, available FROM host_samples WHERE run_id = ?"
-            " ORDER BY t DESC LIMIT 1",
-            (run_id,),
-        ).fetchone()
-        return HostSample(*row) if row else None
+            return []
+        rows = self._db.execute(f"SELECT * FROM host_samples {where}", params).fetchall()
+        return [
+            HostSample(r["t"], r["mem_total"], r["mem_available"], r["available"],
+                       r["capacity"] if "capacity" in r.keys() else None)
+            for r in rows
+        ]  # fmt: skip
 
     def _has_table(self, name: str) -> bool:
         query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"

@@ -114,6 +114,8 @@ class LocalExecutor:
         """Steps run under this process's cgroup: they share what this process really has."""
         return memory_budget()
 
+    host_memory = memory_budget
+
     def reap(self, where: str, pid: int | None, started_at: float) -> int:
         """Kill what is left in the attempt's cgroup, at the path recorded (the runner that starts
         again may run in another cgroup: another SSH session, another systemd scope); where that

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import Budget, CgroupError, format_size, read_meminfo
+from pipeline.memory import Budget, CgroupError, format_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import (
     AttemptStillRunning,
@@ -204,9 +204,10 @@ class Orchestrator:
         ordered = self.spec.order()
         self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
         self._ledger.start_run(
-            self.run_id, str(self.pipeline_path), self.executor.name, list(self._steps), self._pool, binding
+            self.run_id, str(self.pipeline_path), self.executor.name, list(self._steps), self._pool, binding,
+            host_sampled=self.executor.host_memory is not None,
         )
-        host = HostSampler(self._ledger, self.run_id).start()
+        host = HostSampler(self._ledger, self.run_id, self.executor.host_memory).start()
         self.reporter.note(
             f"run {self.run_id}: {len(ordered)} steps, budget {format_size(self._pool)} (set by {binding}), "
             f"executor {self.executor.name}"
@@ -451,13 +452,14 @@ class Orchestrator:
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
         attempt = self._ledger.next_attempt_number(step.name)
-        meminfo = read_meminfo()
+        host = self.executor.host_memory() if self.executor.host_memory else None  # None: not seen here
         launch = self._launch(step, attempt, argv, fingerprint, limit)
         attempt_id = self._ledger.begin_attempt(
             run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
             limit_bytes=limit, limit_reason=limit_reason, argv=argv,
-            host_mem_available=meminfo.get("MemAvailable", 0), host_mem_total=meminfo.get("MemTotal", 0),
-            image=self._image(launch), commit_id=self.commit,
+            host_mem_available=None if host is None else host.mem_available,
+            host_mem_total=None if host is None else host.mem_total,
+            image=self._image(launch), commit_id=self.commit, outputs=step.outputs,
         )  # fmt: skip
         self.reporter.started(step.name, attempt, limit, limit_reason)
         return self._submit(step, attempt, attempt_id, launch, fingerprint, time.monotonic())

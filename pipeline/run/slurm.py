@@ -678,6 +678,7 @@ class SlurmExecutor:
     Options = SlurmOptions
     admits_by_memory = True
     detached = True
+    host_memory = None  # the steps run on the nodes: nothing on this host tells their memory
 
     def __init__(self, options: SlurmOptions | None = None) -> None:
         self.options = options or SlurmOptions()

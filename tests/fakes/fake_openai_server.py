@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outage-then", choices=["exit", "recover"], default="recover")
     p.add_argument("--outage-health", action="store_true", help="/health answers 503 during the outage")
     p.add_argument("--model", default=MODEL, help="the model name /v1/models lists")
+    p.add_argument("--hollow-rate", type=float, default=0.0, help="200 whose body holds no completion")
+    p.add_argument("--hollow-marker", default="HOLLOW", help="always a 200 without a completion")
     p.add_argument("--surrogate-marker", default="BAD-UNICODE", help="answer with a lone surrogate")
     p.add_argument("--reject-marker", default="REJECT-ME", help="400 when a message contains it")
     p.add_argument("--length-marker", default="CUT-ME", help="finish_reason=length when present")
@@ -111,6 +113,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
             await asyncio.sleep(args.slow_s)
         messages = body["messages"]
         text = json.dumps(messages)
+        if rng.random() < args.hollow_rate or args.hollow_marker in text:
+            return web.json_response({"object": "chat.completion", "choices": []})
         if args.reject_marker in text:
             return web.json_response(
                 {"error": {"message": "prompt rejected: contains the reject marker", "type": "BadRequest"}},

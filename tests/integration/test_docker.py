@@ -21,7 +21,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
+from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie, eyrie_in_small_cgroup
+from pipeline.memory import read_meminfo
+from pipeline.run.ledger import Ledger
 from pipeline.run.step_contract import read_manifest
 from pipeline.steps.train.export import load_draft
 from pipeline.steps.train.model import aux_layer_ids
@@ -166,6 +168,38 @@ steps:
     cgroups = (run_dir / "inspect" / "cgroup.txt").read_text()
     # v1 shows the container's cgroup by its id; v2 with a private cgroup namespace shows its root
     assert inspect["Id"] in cgroups or cgroups.strip().endswith("::/"), cgroups
+
+
+@pytest.mark.usefixtures("real_cgroups")
+def test_a_runner_in_a_small_container_judges_the_docker_host_not_its_own_limit(images, tmp_path):
+    """Compose's case: the runner's container is limited (compose.yaml: `mem_limit`), the step
+    containers run beside it in the engine's cgroups; a step that writes its output then aborts, at
+    a small share of its limit, on a roomy host, is not explained as "the host was full"."""
+    runner_limit = 512 * 2**20
+    host = read_meminfo()
+    if runner_limit >= 0.05 * host["MemTotal"]:
+        pytest.skip("this host is too small for the runner's limit to be far below its memory")
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("""
+steps:
+  - name: prep
+    command: [sh, -c, "echo done > result.txt && kill -ABRT $$"]
+    memory: 64MiB
+    outputs: [result.txt]
+""")
+    run_dir = tmp_path / "run"
+    result = eyrie_in_small_cgroup(runner_limit, "run", str(pipeline), "--run-dir", str(run_dir),
+                                   "--executor", "docker", env=_docker_env())  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = eyrie("explain", "prep", "--run-dir", str(run_dir), check=True).stdout
+    assert "Crashed" in out and "SIGABRT" in out, out
+    assert "Memory was not short" in out and "the host had" in out, out
+    assert "was full" not in out and "cgroups eyrie runs in" not in out, out
+    # What was sampled is the Docker host's memory, not the runner's 512 MiB.
+    ledger = Ledger(run_dir, create=False)
+    samples = ledger.host_samples(attempts_json(run_dir)[0]["run_id"])
+    ledger.close()
+    assert samples and all(s.available == s.mem_available > runner_limit for s in samples), samples
 
 
 @pytest.mark.timeout(2400)  # the whole real pipeline file on CPU settings, training included

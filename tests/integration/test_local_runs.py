@@ -305,7 +305,10 @@ steps:
     assert attempts["declared"]["signal"] == signal.SIGABRT
     assert attempts["after"]["verdict"] == "succeeded"
     assert attempts["undeclared"]["verdict"] == "crashed"
+    assert attempts["undeclared"]["outputs"] == ["out.txt", "parts"]  # as the run declared them
 
+    # explain reads the ledger alone: the pipeline file edited since, its ${VAR} unset, changes nothing
+    pipeline.write_text("steps:\n  - name: undeclared\n    command: [sh, -c, '${UNSET_SINCE}']\n")
     explained = " ".join(eyrie("explain", "undeclared", "--run-dir", str(run_dir), check=True).stdout.split())
     assert (
         "Every declared output was written during this attempt, but no manifest.json says they are complete"

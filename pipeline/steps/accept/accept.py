@@ -18,6 +18,7 @@ Writes ``accept.json`` and the step's manifest (both figures in its stats, which
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,8 +91,12 @@ def heldout_prompts(settings: Settings) -> list[list[int]]:
     from pipeline.steps.train.data import load_shards, split_heldout
     from pipeline.steps.train.evaluate import prompt_of
 
-    _, heldout = split_heldout(load_shards(settings.data, settings.max_length), settings.heldout_fraction)
-    prompts = [prompt_of(row.input_ids, row.loss_mask) for row in heldout]
+    # The rows are mapped from a file of their own, as training maps them, beside the step's outputs
+    # (not /tmp, which may be small); the prompts are copied out of it, so it goes once they are read.
+    with tempfile.TemporaryDirectory(prefix=".rows-", dir=".") as folder:
+        rows = load_shards(settings.data, settings.max_length, Path(folder) / "rows.arrow")
+        _, heldout = split_heldout(rows, settings.heldout_fraction)
+        prompts = [prompt_of(row.input_ids, row.loss_mask) for row in heldout]
     prompts = [p for p in prompts if len(p) >= 2][: settings.prompts]
     if not prompts:
         raise AcceptError(

@@ -6,8 +6,9 @@ aiohttp, not httpx: against a server that answers at once, httpx's AsyncClient s
 
 Each request goes to the live server with the fewest requests outstanding. A failure
 that a later attempt may not repeat (connection refused or reset, timeout, 429, 5xx,
-any other HTTP client error such as a garbled response) is transient, and what it
-costs depends on whether the server still answers ``/health``:
+any other HTTP client error such as a garbled response, a 200 whose body holds no
+chat completion) is transient, and what it costs depends on whether the server
+still answers ``/health``:
 
 - It does: the failure is the request's. It is retried with exponential backoff and
   full jitter, ``Retry.max_retries`` times; after that the request is left unanswered
@@ -102,6 +103,16 @@ class Counters:
     outage_s: float = 0.0
     latencies_s: array = field(default_factory=lambda: array("d"))
     """Seconds from sending each answered request to having its whole answer."""
+
+
+def _completion(answer: bytes) -> dict[str, Any] | None:
+    """The chat completion in a 200's body; None when the body holds none."""
+    try:
+        data = loads(answer)
+        data["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return data
 
 
 def _error_message(body: bytes) -> str:
@@ -345,21 +356,20 @@ class ChatClient:
                     if status != 200:
                         retry_after = _retry_after(response.headers)
                 if status == 200:
-                    try:
-                        data = loads(answer)
-                        data["choices"][0]["message"]
-                    except (ValueError, KeyError, IndexError, TypeError):
-                        raise PermanentError(
-                            "bad_response", f"HTTP 200 without a chat completion: {answer[:200]!r}"
-                        ) from None
-                    self.counters.latencies_s.append(time.perf_counter() - started)
-                    return data
-                if status in (401, 403):
+                    data = _completion(answer)
+                    if data is not None:
+                        self.counters.latencies_s.append(time.perf_counter() - started)
+                        return data
+                    # A proxy's page, a body cut short, an engine's hiccup: not the request's fault.
+                    kind = "bad_response"
+                    server.last_error = f"HTTP 200 without a chat completion: {answer[:120]!r}"
+                elif status in (401, 403):
                     raise AuthError(f"{server.url} answered HTTP {status}: {_AUTH_HINT}")
-                if status not in TRANSIENT_STATUS:
+                elif status not in TRANSIENT_STATUS:
                     raise PermanentError(f"http_{status}", _error_message(answer))
-                kind = f"http_{status}"
-                server.last_error = f"HTTP {status}: {_error_message(answer)[:120]}"
+                else:
+                    kind = f"http_{status}"
+                    server.last_error = f"HTTP {status}: {_error_message(answer)[:120]}"
             except aiohttp.ClientConnectorError as exc:
                 kind = "connect"
                 server.last_error = f"connection refused: {exc.os_error}"

@@ -20,6 +20,11 @@ class Sampling:
     max_tokens: int = 2048
     seed: int | None = None
 
+    @property
+    def repeatable(self) -> bool:
+        """Asked again, a server gives the same answer: greedy, or a seed per row."""
+        return self.temperature == 0 or self.seed is not None
+
 
 @dataclass
 class Retry:

@@ -353,10 +353,7 @@ class Generation:
             self._judge(True, f"{exc.kind}: {exc.reason}")
             return
         except RetriesExhausted as exc:
-            # No final answer: written nowhere, so the row stays to do and a rerun asks it again.
-            tally.unanswered += 1
-            tally.unanswered_by_kind[exc.kind] = tally.unanswered_by_kind.get(exc.kind, 0) + 1
-            self._judge(True, f"{exc.kind}: {exc.reason}")
+            self._unanswered(exc.kind, exc.reason)
             return
         result = output_row(row, plan, finish_reasons)
         result["usage"] = {"prompt_tokens": usage_in, "completion_tokens": usage_out}
@@ -364,8 +361,11 @@ class Generation:
             line = utf8_json(result) + b"\n"
         except UnicodeEncodeError as exc:
             reason = f"the answer is not valid Unicode text: {not_unicode(exc)}"
-            self._error(row_id, "bad_response", reason)
-            self._judge(True, f"bad_response: {reason}")
+            if self.config.sampling.repeatable:  # asked again, the same text: a final answer
+                self._error(row_id, "bad_response", reason)
+                self._judge(True, f"bad_response: {reason}")
+            else:  # another draw may well be valid text
+                self._unanswered("bad_response", reason)
             return
         tally.tokens_in += usage_in
         tally.tokens_out += usage_out
@@ -383,6 +383,12 @@ class Generation:
         if len(self._conv_buf) >= self.config.flush_rows:
             self._flush_now.set()
         self._judge(False)
+
+    def _unanswered(self, kind: str, reason: str) -> None:
+        """No final answer for the row: written nowhere, so it stays to do and a rerun asks it again."""
+        self.tally.unanswered += 1
+        self.tally.unanswered_by_kind[kind] = self.tally.unanswered_by_kind.get(kind, 0) + 1
+        self._judge(True, f"{kind}: {reason}")
 
     def _error(self, row_id: str, kind: str, reason: str) -> None:
         """A final answer for the row: it goes to errors.jsonl and a rerun skips it."""
@@ -612,8 +618,9 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         if t.unanswered:
             kinds = ", ".join(f"{k}: {n}" for k, n in sorted(t.unanswered_by_kind.items()))
             raise GenerateError(
-                f"generate: {t.unanswered} prompts got no answer after {config.retry.max_retries + 1} "
-                f"attempts each ({kinds}; last: {t.last_failure[:300]}); none is recorded as an error: "
+                f"generate: {t.unanswered} prompts got no usable answer, after up to "
+                f"{config.retry.max_retries + 1} attempts each ({kinds}; last: {t.last_failure[:300]}); "
+                "none is recorded as an error: "
                 f"rerun to ask them again; {kept.format(already + t.rows_done)}",
                 EXIT_SERVERS_DEAD,
             )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import json
 import mmap
 import multiprocessing
 import os
@@ -34,10 +33,12 @@ from pipeline.memory.units import format_size, parse_size
 from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
 from pipeline.steps.prep.sources import (
-    POSITION_PREFIX,
     SourceResult,
     kind_of,
+    part_source_id,
+    position_id,
     prepare_source,
+    record_line,
     tokenized_schema,
     unknown_roles_hint,
 )
@@ -144,16 +145,12 @@ def _parts(results: list[SourceResult], kind: str) -> list[tuple[SourceResult, s
     return out
 
 
-def _source_id(position: int) -> bytes:
-    return json.dumps(f"{POSITION_PREFIX}{position}").encode()
-
-
 def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) -> int:
     """Dedup across sources, shuffle by a seeded hash, and write the records; returns the count.
 
-    Only (shuffle key, file, start, end, position) entries are held in memory, not the records; the
-    records are then copied out of the memory-mapped parts in shuffled order. A record known by its
-    position in a slice after the first gets its position in the whole source on the way.
+    Only (shuffle key, file, offsets, rows before the file) entries are held in memory, not the
+    records; the records are then copied out of the memory-mapped parts in shuffled order, each
+    given its source_id on the way (a position in a slice becomes a position in the whole source).
     """
     seen: set[bytes] = set()
     index: list[tuple[bytes, int, int, int, int, int]] = []
@@ -165,14 +162,14 @@ def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) ->
                 tab = line.index(b"\t")
                 key = line[:tab]
                 tab2 = line.index(b"\t", tab + 1)
-                position = int(line[tab + 1 : tab2]) if start and tab2 > tab + 1 else -1
                 if key in seen:
                     result.duplicates += 1
                     result.accepted -= 1
                 else:
                     seen.add(key)
                     shuffle = _shuffle_key(seed, key)
-                    index.append((shuffle, number, offset + tab2 + 1, offset + len(line), position, start))
+                    at = offset + tab + 1, offset + tab2, offset + len(line)  # id, its end, line end
+                    index.append((shuffle, number, *at, start))
                 offset += len(line)
     index.sort()
     with contextlib.ExitStack() as stack:
@@ -185,12 +182,9 @@ def merge_jsonl(results: list[SourceResult], kind: str, out: Path, seed: int) ->
             for _, part, _ in files
         ]
         with atomic_path(out) as tmp, open(tmp, "wb") as dest:
-            for _, number, begin, end, position, start in index:
-                record = maps[number][begin:end]
-                if position >= 0:
-                    in_slice, in_source = _source_id(position), _source_id(start + position)
-                    record = record.replace(b'"source_id": ' + in_slice, b'"source_id": ' + in_source, 1)
-                dest.write(record)
+            for _, number, id_at, tab, end, start in index:
+                source_id = part_source_id(maps[number][id_at:tab], start)
+                dest.write(record_line(source_id, maps[number][tab + 1 : end]))
     return len(index)
 
 
@@ -221,7 +215,7 @@ def merge_tokenized(results: list[SourceResult], out: Path) -> int:
                     table = batch.take(keep)
                     if start:
                         source_ids = [
-                            source_id if position is None else f"{POSITION_PREFIX}{start + position}"
+                            source_id if position is None else position_id(start + position)
                             for source_id, position in zip(
                                 table.column("source_id").to_pylist(),
                                 table.column("position").to_pylist(),

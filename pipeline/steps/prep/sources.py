@@ -3,15 +3,16 @@
 A source runs in one worker process, or, when workers outnumber sources, in
 several, each reading a contiguous slice of it (its files or parquet row
 groups); each slice writes one part file. A part line is
-``<dedup key>\\t<position>\\t<record JSON>``, so the merge can dedup and shuffle
-across slices and sources without parsing records again. Every row is counted:
-read, accepted, duplicate, or rejected under a reason.
+``<dedup key>\\t<source id>\\t<the record's other members>``, so the merge can
+dedup and shuffle across slices and sources without parsing records again. Every
+row is counted: read, accepted, duplicate, or rejected under a reason.
 
 Every record keeps ``source_id``: the dataset's own id of its row (a column of
 ``ID_COLUMNS``), or ``#N``, the row's index in the source (its data files in
 order), when it has none. A slice knows only the indexes of its own rows: for
-such a row ``<position>`` is that index (empty for a row with an id of its own),
-and the merge adds the rows of the slices before it.
+such a row ``<source id>`` is that index, a bare number, which the merge turns
+into the index in the source; a row with an id of its own has it there as a JSON
+string. Either way the record's line is made in one place, ``record_line``.
 """
 
 from __future__ import annotations
@@ -99,10 +100,30 @@ class SourceResult:
 
 
 def part_records(part: str | Path) -> Iterator[dict]:
-    """The records of a conversation part file, in its order."""
-    with open(part, encoding="utf-8") as fh:
+    """The records of a conversation part file of a source's first (or only) slice, in its order."""
+    with open(part, "rb") as fh:
         for line in fh:
-            yield json.loads(line.split("\t", 2)[2])
+            _, source_id, rest = line.split(b"\t", 2)
+            yield json.loads(record_line(part_source_id(source_id, 0), rest))
+
+
+def part_source_id(field: bytes, start: int) -> bytes:
+    """The ``source_id``, as a JSON string, of a part line's source id: the row's own id as it is,
+    or its index in its slice, after the ``start`` rows of the source's slices before it."""
+    if field.startswith(b'"'):
+        return field
+    return json.dumps(position_id(start + int(field))).encode()
+
+
+def position_id(index: int) -> str:
+    """The ``source_id`` of the row at ``index`` in its source, for a row without an id of its own."""
+    return f"{POSITION_PREFIX}{index}"
+
+
+def record_line(source_id: bytes, rest: bytes) -> bytes:
+    """A record as written out: ``source_id`` (a JSON string) first, then ``rest``, its other members
+    as ``conversation_record`` gives them (with the closing brace, and the line's end if any)."""
+    return b'{"source_id": ' + source_id + b", " + rest
 
 
 def kind_of(source: Source) -> str:
@@ -161,7 +182,7 @@ def row_source_id(row: dict, source: Source, position: int) -> tuple[str, bool]:
             return str(value), False
     if ID_FIELD in source.fields:
         raise Reject("missing_id")
-    return f"{POSITION_PREFIX}{position}", True
+    return position_id(position), True
 
 
 def record_id(source_name: str, content: str) -> str:
@@ -170,9 +191,10 @@ def record_id(source_name: str, content: str) -> str:
 
 
 def conversation_record(conv: Conversation, source: Source, source_id: str) -> tuple[str, dict, str]:
-    """``(dedup key, record, record as a JSON line)``: a prompt (ends before the answer) or, for native
-    sources, a conversation. The id hashes the source and the content; the dedup key hashes the
-    content alone, lowercased with whitespace collapsed, so copies are found across sources."""
+    """``(dedup key, record, the record's members after its source_id)``: a prompt (ends before the
+    answer) or, for native sources, a conversation; ``record_line`` makes the line. The id hashes the
+    source and the content; the dedup key hashes the content alone, lowercased with whitespace
+    collapsed, so copies are found across sources."""
     messages = [m for m in conv.messages if not _is_empty(m)]
     if source.native:
         while messages and messages[-1]["role"] != "assistant":
@@ -198,11 +220,8 @@ def conversation_record(conv: Conversation, source: Source, source_id: str) -> t
     identifier = record_id(source.name, canonical)
     key = hashlib.blake2b(" ".join(canonical.lower().split()).encode(), digest_size=16).hexdigest()
     # the line reuses the canonical body instead of serializing the record a second time
-    line = (
-        f'{{"id": "{identifier}", "source": {json.dumps(source.name)}, '
-        f'"source_id": {json.dumps(source_id, ensure_ascii=False)}, {canonical[1:]}'
-    )
-    return key, {"id": identifier, "source": source.name, "source_id": source_id, **body}, line
+    rest = f'"id": "{identifier}", "source": {json.dumps(source.name)}, {canonical[1:]}'
+    return key, {"source_id": source_id, "id": identifier, "source": source.name, **body}, rest
 
 
 def tokenized_key(item: Tokenized) -> str:
@@ -267,7 +286,7 @@ def _run(
                         if isinstance(adapted, Tokenized):
                             key = tokenized_key(adapted)
                         else:
-                            key, _, line = conversation_record(adapted, source, source_id)
+                            key, _, rest = conversation_record(adapted, source, source_id)
                     except Reject as reject:
                         rejected[reject.reason] += 1
                         unknown_roles.update(reject.names)
@@ -285,7 +304,8 @@ def _run(
                             if writer is not None:
                                 writer.add(key, adapted, source_id, slice_position)
                             else:
-                                out.write(f"{key}\t{'' if slice_position is None else position}\t{line}\n")
+                                known = json.dumps(source_id, ensure_ascii=False)
+                                out.write(f"{key}\t{known if slice_position is None else position}\t{rest}\n")
                             if source.quota is not None and result.accepted >= source.quota:
                                 break
                     if probing and result.read == probe_rows and result.accepted == 0:

@@ -311,18 +311,46 @@ def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_asid
     assert len(list((out / "restarted").iterdir())) == 2
 
 
-def test_text_that_is_not_unicode_is_a_row_error_not_a_crash(tmp_path, fake_server):
+def test_a_200_without_a_completion_is_retried_and_never_a_final_answer(tmp_path, fake_server):
     record = tmp_path / "requests.jsonl"
-    server = fake_server("--record", str(record))
-    rows = [
+    server = fake_server("--hollow-rate", "0.2", "--record", str(record))
+    rows = [{"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": "q"}]}
+            for i in range(60)]  # fmt: skip
+    rows.append({"id": "hollow", "source": "t", "messages": [{"role": "user", "content": "HOLLOW"}]})
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url, extra=("--max-retries", "6", "--retry-base", "0.01"))
+    # The row that only ever gets hollow answers is left unanswered: exit 3, no manifest.
+    assert result.returncode == 3, result.stderr
+    assert "1 prompts got no usable answer" in result.stderr and "bad_response: 1" in result.stderr
+    assert read_manifest(out) is None
+    assert "hollow" not in (out / "errors.partial.jsonl").read_text()
+    done = ids_of(out / "conversations.partial.jsonl")
+    assert sorted(done) == [f"p{i:03d}" for i in range(60)]  # every hollow answer among them retried
+    asked = Counter(json.loads(line)["messages"][0]["content"] for line in record.read_text().splitlines())
+    assert asked["HOLLOW"] == 7 and asked["q"] > 60, asked
+
+    again = run_generate(prompts, out, server.url, extra=("--max-retries", "0"))
+    assert again.returncode == 3 and "60 already done; 1 to go" in again.stderr, again.stderr
+    asked = Counter(json.loads(line)["messages"][0]["content"] for line in record.read_text().splitlines())
+    assert asked["HOLLOW"] == 8  # asked again: a hollow answer was never recorded as final
+
+
+def _not_unicode_rows():
+    return [
         # json.dumps writes the lone surrogate as the escape \ud800: valid JSON, not valid Unicode.
         {"id": "lone", "source": "t", "messages": [{"role": "user", "content": "lone \ud800 surrogate"}]},
         {"id": "answer", "source": "t", "messages": [{"role": "user", "content": "say BAD-UNICODE"}]},
         *({"id": f"ok{i}", "source": "t", "messages": [{"role": "user", "content": "q"}]} for i in range(8)),
     ]
-    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+
+
+def test_text_that_is_not_unicode_is_a_row_error_not_a_crash(tmp_path, fake_server):
+    record = tmp_path / "requests.jsonl"
+    server = fake_server("--record", str(record))
+    prompts = write_prompts(tmp_path / "prompts.jsonl", _not_unicode_rows())
     out = tmp_path / "out"
-    result = run_generate(prompts, out, server.url)
+    result = run_generate(prompts, out, server.url, extra=("--seed", "7"))  # the same answer if asked again
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     errors = {e["id"]: e for e in read_jsonl(out / "errors.jsonl")}
@@ -334,9 +362,23 @@ def test_text_that_is_not_unicode_is_a_row_error_not_a_crash(tmp_path, fake_serv
     # The prompt that cannot be sent was not; the server's bad answer was asked for once.
     assert len(read_jsonl(record)) == 9
 
-    again = run_generate(prompts, out, server.url)
+    again = run_generate(prompts, out, server.url, extra=("--seed", "7"))
     assert again.returncode == 0, again.stderr
     assert "10 already done; 0 to go" in again.stderr
+
+
+def test_an_answer_that_is_not_unicode_from_random_sampling_is_asked_again(tmp_path, fake_server):
+    server = fake_server()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", _not_unicode_rows())
+    out = tmp_path / "out"
+    result = run_generate(prompts, out, server.url)  # temperature 0.7, no seed: another draw may be fine
+    assert result.returncode == 3, result.stderr
+    assert "1 prompts got no usable answer" in result.stderr and "bad_response: 1" in result.stderr
+    assert "Traceback" not in result.stderr
+    errors = {e["id"]: e["kind"] for e in read_jsonl(out / "errors.partial.jsonl")}
+    assert errors == {"lone": "bad_prompt"}  # the prompt's fault is final; the answer's is not
+    again = run_generate(prompts, out, server.url)
+    assert again.returncode == 3 and "9 already done; 1 to go" in again.stderr, again.stderr
 
 
 def test_request_latency_percentiles_are_in_the_manifest(tmp_path, fake_server):

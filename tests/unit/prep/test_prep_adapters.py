@@ -16,7 +16,8 @@ from pipeline.steps.prep.adapters import (
     split_reasoning,
 )
 from pipeline.steps.prep.catalog import Source
-from pipeline.steps.prep.sources import conversation_record, row_source_id
+from pipeline.steps.prep.prep import merge_jsonl
+from pipeline.steps.prep.sources import conversation_record, prepare_source, record_line, row_source_id
 
 
 def source(fmt: str, **extra) -> Source:
@@ -182,14 +183,14 @@ def test_prompt_records_end_before_the_answer_and_ids_are_stable():
             {"role": "assistant", "content": "d"},
         ]
     }
-    key, record, line = conversation_record(adapt_messages(row, src), src, "row-7")
-    assert json.loads(line) == record
+    key, record, rest = conversation_record(adapt_messages(row, src), src, "row-7")
+    assert json.loads(record_line(json.dumps("row-7").encode(), rest.encode())) == record
     assert record["source_id"] == "row-7"
     assert [m["content"] for m in record["messages"]] == ["a", "b", "c"]
     again = conversation_record(adapt_messages(row, src), src, "row-7")
     renamed = src.model_copy(update={"name": "t"})
     other = conversation_record(adapt_messages(row, renamed), renamed, "row-7")
-    assert again == (key, record, line)
+    assert again == (key, record, rest)
     assert conversation_record(adapt_messages(row, src), src, "row-8")[1]["id"] == record["id"]
     assert other[1]["id"] != record["id"]  # the id names the source ...
     assert other[0] == key  # ... the dedup key does not, so duplicates are found across sources
@@ -230,3 +231,26 @@ def test_a_row_keeps_its_own_id_or_its_position(row, fields, expected):
 def test_an_id_column_the_catalog_names_must_be_there():
     with pytest.raises(Reject, match="missing_id"):
         row_source_id({"question": "2+2?"}, source("pairs", fields={"id": "qid"}), 0)
+
+
+def test_a_row_s_position_travels_outside_its_record_and_the_merge_writes_its_source_id_once(tmp_path):
+    rows = [{"prompt": f"question {i}?", "response": "r"} for i in range(6)]  # no id of their own
+    rows[2]["id"] = "own-2"
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = Source(name="s", data=str(data), format="pairs")
+    result = prepare_source(src, str(data), tmp_path / "part", probe_rows=10)
+    assert result.error is None and result.accepted == 6, result
+    lines = (tmp_path / "part").read_bytes().splitlines()
+    fields = [line.split(b"\t", 2) for line in lines]
+    # The position is a field of the part line; the record after it holds no source_id to patch.
+    assert [f[1] for f in fields] == [b"0", b"1", b'"own-2"', b"3", b"4", b"5"]
+    assert not any(b"source_id" in f[2] for f in fields)
+    # As a later slice of its source, after 100 rows of the slices before it:
+    before = tmp_path / "before"
+    before.write_bytes(b"")
+    result.parts, result.part_rows = [str(before), str(tmp_path / "part")], [100, 6]
+    assert merge_jsonl([result], "prompts", tmp_path / "prompts.jsonl", seed=0) == 6
+    merged = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    by_question = {r["messages"][-1]["content"]: r["source_id"] for r in merged}
+    assert by_question == {f"question {i}?": "own-2" if i == 2 else f"#{100 + i}" for i in range(6)}

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from eyrie_testing import eyrie
-from pipeline.memory import read_meminfo
+from pipeline.memory import memory_budget, read_meminfo
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.ledger import Ledger
 
@@ -16,7 +16,7 @@ from pipeline.run.ledger import Ledger
 def test_the_sampler_keeps_one_row_a_second_of_what_the_host_really_has(tmp_path):
     ledger = Ledger(tmp_path)
     started = time.time()
-    sampler = HostSampler(ledger, "r1").start()
+    sampler = HostSampler(ledger, "r1", memory_budget).start()
     time.sleep(2.3)
     sampler.stop()
     samples = ledger.host_samples("r1")
@@ -44,11 +44,27 @@ def test_a_sample_that_cannot_be_written_is_skipped_and_sampling_goes_on(tmp_pat
         written(run_id, sample)
 
     monkeypatch.setattr(ledger, "add_host_sample", busy_once)
-    sampler = HostSampler(ledger, "r1").start()  # its first row fails
+    sampler = HostSampler(ledger, "r1", memory_budget).start()  # its first row fails
     time.sleep(1.2)
     sampler.stop()
     assert failures and len(ledger.host_samples("r1")) >= 1
     ledger.close()
+
+
+def test_without_a_view_of_the_steps_memory_the_sampler_writes_a_heartbeat_a_second(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.start_run("r1", "p.yaml", "slurm", [], None, None, host_sampled=False)
+    started = time.time()
+    sampler = HostSampler(ledger, "r1", None).start()
+    time.sleep(1.3)
+    first = ledger.last_seen("r1")
+    time.sleep(1.0)
+    sampler.stop()
+    last = ledger.last_seen("r1")
+    assert ledger.host_samples("r1") == []  # nothing on this host tells the nodes' memory
+    assert ledger.latest_run()["host_sampled"] == 0
+    ledger.close()
+    assert started <= first < last and last - first >= 0.9, (started, first, last)
 
 
 @pytest.mark.usefixtures("real_cgroups")

@@ -72,6 +72,7 @@ class FakeExecutor:
     Options = StepOptions
     admits_by_memory = False
     detached = False
+    host_memory = None  # its steps run nowhere: the runner writes heartbeats only
 
     def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None,
                  detached: bool = False) -> None:  # fmt: skip
@@ -515,3 +516,18 @@ def test_a_submission_without_answer_for_too_long_ends_failed_and_stops_the_run(
         run(tmp_path, [{"name": "train"}], executor)
     (train,) = ledger_of(tmp_path).attempts()  # one attempt, tried again and again, then given up
     assert train.verdict == "failed" and "could not start it" in train.reason, train.reason
+
+
+class SeeingExecutor(FakeExecutor):
+    host_memory = FakeExecutor.memory_budget  # its steps share what this budget says
+
+
+def test_an_attempt_records_the_memory_its_executor_sees_and_none_it_cannot(tmp_path):
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "seen").mkdir()
+    run(tmp_path / "nodes", [{"name": "prep"}], FakeExecutor({"prep": ends(outcome(0))}))
+    (blind,) = ledger_of(tmp_path / "nodes").attempts()
+    assert (blind.host_mem_available, blind.host_mem_total) == (None, None)  # not the runner's host
+    run(tmp_path / "seen", [{"name": "prep"}], SeeingExecutor({"prep": ends(outcome(0))}))
+    (seen,) = ledger_of(tmp_path / "seen").attempts()
+    assert (seen.host_mem_available, seen.host_mem_total) == (2**34, 2**35)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,10 @@ from pipeline.report.chart import (
     time_label,
     time_ticks,
 )
+from pipeline.report.follow import view
+from pipeline.run.ledger import LEDGER_NAME, Ledger
+
+GIB = 2**30
 
 STEPS = ["server", "prep-a", "prep-b", "grows"]
 
@@ -76,3 +82,76 @@ def test_ticks_are_round_values_with_units():
     assert byte_label(parse_size("1.5GiB")) == "1.5 GiB"
     assert [time_label(t, 6.9) for t in time_ticks(6.9)] == [f"0:0{i}" for i in range(7)]
     assert [time_label(t, 5400) for t in time_ticks(5400)][:3] == ["0:00", "0:15", "0:30"]
+
+
+def _build_ledger(run_dir: Path, *, running: bool = False) -> int:
+    """A build as the broker records it, with a 4 GiB budget: job a admitted at 3 GiB, its reservation
+    shrunk to 1 GiB after its peak (t0 + 10 s), which made room for job b, admitted at 2.5 GiB at
+    t0 + 12 s and shrunk to 1.5 GiB at t0 + 20 s. Returns b's attempt id."""
+    ledger = Ledger(run_dir)
+    t0 = time.time() - 60
+    ledger.start_run("b1", "eyrie build", "cgroup", [], 4 * GIB, "build budget")
+    ids = {}
+    for job, limit, start in (("a.cu", 3 * GIB, 0), ("b.cu", 5 * GIB // 2, 12)):
+        ids[job] = ledger.begin_attempt(
+            run_id="b1", step=job, attempt=1, executor="cgroup", limit_bytes=limit, limit_reason=None,
+            argv=["nvcc"], host_mem_available=8 * GIB, host_mem_total=16 * GIB, image=None, commit_id=None,
+        )  # fmt: skip
+        if not (running and job == "b.cu"):
+            ledger.end_attempt(
+                ids[job], verdict="succeeded", reason="exit 0",
+                fields={"started_at": t0 + start, "ended_at": t0 + 30, "peak_bytes": GIB,
+                        "anon_peak_bytes": GIB, "exit_code": 0},
+                timeline=[(float(s), GIB // 2, GIB // 2) for s in range(1, 31 - start)],
+            )  # fmt: skip
+    reservations = (("a.cu", 3 * GIB, 0), ("a.cu", GIB, 10),
+                    ("b.cu", 5 * GIB // 2, 12), ("b.cu", 3 * GIB // 2, 20))  # fmt: skip
+    for job, reserved, _ in reservations:
+        ledger.reserve(ids[job], reserved, None, "a change")
+    ledger.close()
+    db = sqlite3.connect(run_dir / LEDGER_NAME)
+    for rowid, (_, _, at) in enumerate(reservations, start=1):
+        db.execute("UPDATE reservations SET t = ? WHERE rowid = ?", (t0 + at, rowid))
+    if running:
+        db.execute("UPDATE attempts SET started_at = ? WHERE id = ?", (t0 + 12, ids["b.cu"]))
+    else:
+        db.execute("UPDATE runs SET ended_at = ?, state = 'succeeded'", (t0 + 30,))
+    db.commit()
+    db.close()
+    return ids["b.cu"]
+
+
+def _stack_top_and_budget(page: str) -> tuple[int, int]:
+    """The steps panel's highest band edge and its budget line, in pixels from the top."""
+    chart = page[page.index('<svg class="run-chart"') : page.index("</svg>")]
+    bands = re.findall(r'<path class="band" data-step="[^"]+" d="([^"]+)"', chart)
+    assert bands, "no band drawn"
+    tops = [min(int(v) for v in re.findall(r"(?:,|V)(\d+)", d)) for d in bands]
+    (budget,) = re.findall(r'<g class="budget"><line [^>]*y1="(\d+)"', chart[chart.index("Steps:") :])[:1]
+    return min(tops), int(budget)
+
+
+def test_a_build_s_bands_follow_each_job_s_reservation_and_never_cross_the_budget(tmp_path):
+    _build_ledger(tmp_path)
+    eyrie("report", "--run-dir", str(tmp_path), check=True)
+    page = (tmp_path / "report.html").read_text()
+    top, budget = _stack_top_and_budget(page)
+    # At their admitted limits the two jobs would stack to 5.5 GiB, over the 4 GiB budget: an
+    # overcommit that never happened. Drawn as reserved, the stack stays at or under the budget.
+    assert top >= budget, f"the stack's top ({top}px) is above the budget line ({budget}px)"
+    # The check fails on a chart that draws the limits instead of the reservations.
+    ledger = sqlite3.connect(tmp_path / LEDGER_NAME)
+    ledger.execute("DELETE FROM reservations")
+    ledger.commit()
+    ledger.close()
+    eyrie("report", "--run-dir", str(tmp_path), check=True)
+    top, budget = _stack_top_and_budget((tmp_path / "report.html").read_text())
+    assert top < budget
+
+
+def test_follow_counts_a_running_job_s_current_reservation(tmp_path):
+    _build_ledger(tmp_path, running=True)
+    ledger = Ledger(tmp_path, create=False)
+    current = view(ledger, tmp_path)
+    ledger.close()
+    assert current.reserved_bytes == 3 * GIB // 2  # b's reservation now, not its admitted 2.5 GiB

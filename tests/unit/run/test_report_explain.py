@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from eyrie_testing import REPO, eyrie
+import pytest
+
+from eyrie_testing import REPO, eyrie, eyrie_in_small_cgroup
+from pipeline.memory import read_meminfo
 from pipeline.run.ledger import HostSample, Ledger
 
 MIB, GIB = 2**20, 2**30
@@ -35,19 +38,51 @@ def test_two_jobs_dead_beside_a_server_on_a_roomy_host_were_not_out_of_memory(ne
     assert "Beside it ran: server" in grows
 
 
-def _recorded_run(run_dir: Path, *, host_available: int, with_host: bool = True) -> None:
+# The seed's incident: a prep writes all it has, then aborts at teardown at a quarter of its limit.
+ABORTS_AT_TEARDOWN = """
+steps:
+  - name: prep
+    command: [PYTHON, SCENARIO, hold, "40", "1", write_then_abort]
+    memory: 160MiB
+    outputs: [result.txt]
+"""
+SMALL_RUNNER = 512 * MIB  # the runner's own cgroup: far below a roomy host's memory
+
+
+@pytest.mark.usefixtures("real_cgroups")
+def test_a_runner_in_a_small_cgroup_on_a_roomy_host_does_not_call_the_host_full(tmp_path):
+    if SMALL_RUNNER >= 0.05 * read_meminfo()["MemTotal"]:
+        pytest.skip("this host is too small for a runner's cgroup to be far below its memory")
+    pipeline = tmp_path / "p.yaml"
+    scenario = str(REPO / "tests" / "scenarios" / "scenario.py")
+    pipeline.write_text(ABORTS_AT_TEARDOWN.replace("PYTHON", sys.executable).replace("SCENARIO", scenario))
+    run = eyrie_in_small_cgroup(SMALL_RUNNER, "run", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr  # its outputs are complete: the run goes on
+    out = eyrie("explain", "prep", "--run-dir", str(tmp_path / "run"), check=True).stdout
+    assert "Completed, then crashed" in out, out
+    # The steps share the runner's cgroup: it is what is judged, against its own limit.
+    assert re.search(r"the cgroups eyrie runs in left it [\d.]+ MiB of their 512\.00 MiB limit", out), out
+    assert "Memory was not short" in out and "the cgroup eyrie runs in had" in out, out
+    assert "was full" not in out, out
+
+
+def _recorded_run(run_dir: Path, *, host_available: int, with_host: bool = True,
+                  executor: str = "local") -> None:  # fmt: skip
     """A ledger as a runner writes it: a server at 12 GiB and a job killed beside it at t0 + 10 s."""
     ledger = Ledger(run_dir)
     t0 = time.time() - 60
-    ledger.start_run("r1", "p.yaml", "local", ["server", "job"], 15 * GIB, "MemAvailable")
+    elsewhere = executor == "slurm"  # its steps run on nodes the runner does not see
+    ledger.start_run("r1", "p.yaml", executor, ["server", "job"], 15 * GIB, "MemAvailable",
+                     host_sampled=not elsewhere)  # fmt: skip
     killed = "the main process died of SIGKILL, and no OOM kill was counted in its cgroup"
     for step, limit, usage, seconds, verdict, reason, exit_code, signal in (
         ("server", 14 * GIB, 12 * GIB, 30, "succeeded", "exit 0", 0, None),
         ("job", 2 * GIB, 300 * MIB, 10, "crashed", killed, None, 9),
     ):
         attempt = ledger.begin_attempt(
-            run_id="r1", step=step, attempt=1, executor="local", limit_bytes=limit, limit_reason=None,
-            argv=["x"], host_mem_available=15 * GIB, host_mem_total=16 * GIB, image=None, commit_id=None,
+            run_id="r1", step=step, attempt=1, executor=executor, limit_bytes=limit, limit_reason=None,
+            argv=["x"], image=None, commit_id=None, host_mem_available=None if elsewhere else 15 * GIB,
+            host_mem_total=None if elsewhere else 16 * GIB,
         )  # fmt: skip
         ledger.end_attempt(
             attempt, verdict=verdict, reason=reason,
@@ -75,10 +110,27 @@ def test_a_job_killed_while_the_host_was_full_is_told_apart_from_its_own_limit(t
     assert "Memory was not short" in out and "host was full" not in out, out
 
 
+def test_steps_on_a_cluster_s_nodes_are_not_judged_by_the_runner_s_host(tmp_path):
+    _recorded_run(tmp_path, host_available=0, with_host=False, executor="slurm")
+    out = eyrie("explain", "job", "--run-dir", str(tmp_path), check=True).stdout
+    assert "it ran on a node of the cluster (slurm executor" in out, out
+    assert "only its own limit can be judged" in out and "its own limit did not stop it" in out, out
+    assert "host had" not in out and "was full" not in out and "Beside it ran" not in out, out
+    eyrie("report", "--run-dir", str(tmp_path), check=True)
+    chart = (tmp_path / "report.html").read_text()
+    assert "Host memory: not sampled — the steps ran on the cluster&#x27;s nodes" in chart or (
+        "Host memory: not sampled — the steps ran on the cluster's nodes" in chart
+    ), chart
+    assert 'data-series="host-' not in chart  # no host panel, nor steps stacked on the login node
+    assert 'data-series="steps-job"' in chart
+
+
 def test_a_ledger_written_before_host_sampling_is_still_read(tmp_path):
     _recorded_run(tmp_path, host_available=0, with_host=False)
     db = sqlite3.connect(tmp_path / "ledger.sqlite")
     db.execute("DROP TABLE host_samples")  # as a ledger of an earlier eyrie is
+    for table, column in (("runs", "host_sampled"), ("runs", "heartbeat_at"), ("attempts", "outputs")):
+        db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     db.commit()
     db.close()
     out = eyrie("explain", "job", "--run-dir", str(tmp_path), check=True).stdout

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from eyrie_testing import REPO, eyrie
-from pipeline.run.ledger import LEDGER_NAME, Ledger
+from pipeline.run.host_sampler import HostSampler
+from pipeline.run.ledger import LEDGER_NAME, HostSample, Ledger
 
 pytestmark = pytest.mark.usefixtures("real_cgroups")
 MIB = 2**20
@@ -122,20 +123,57 @@ def test_follow_in_a_terminal_redraws_and_leaves_the_final_table(tmp_path):
     assert "run " in final and "succeeded" in final.splitlines()[0]
 
 
-def test_follow_ends_when_the_runner_is_gone(tmp_path):
-    ledger = Ledger(tmp_path)
-    ledger.start_run("r1", "p.yaml", "local", ["prep"], 2**30, "MemAvailable")  # never ended
+def _open_run(run_dir: Path, *, executor: str = "local", last_seen_ago: float) -> None:
+    """A run that never ended, whose runner (by its pid, this very process: a pid reused) was last
+    seen ``last_seen_ago`` seconds ago, on another host."""
+    ledger = Ledger(run_dir)
+    ledger.start_run("r1", "p.yaml", executor, ["prep"], 2**30, "MemAvailable",
+                     host_sampled=executor != "slurm")  # fmt: skip
     ledger.close()
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    db = sqlite3.connect(tmp_path / LEDGER_NAME)
-    db.execute("UPDATE runs SET orchestrator_pid = ?", (gone.pid,))
+    db = sqlite3.connect(run_dir / LEDGER_NAME)
+    db.execute("UPDATE runs SET orchestrator_pid = ?, host = 'node-elsewhere', started_at = ?",
+               (os.getpid(), time.time() - last_seen_ago))  # fmt: skip
     db.commit()
     db.close()
+
+
+def test_follow_ends_when_the_runner_is_gone_whatever_its_pid_has_become(tmp_path):
+    _open_run(tmp_path, last_seen_ago=60)
+    ledger = Ledger(tmp_path)
+    ledger.add_host_sample("r1", HostSample(time.time() - 40, 16 * 2**30, 8 * 2**30, 8 * 2**30))
+    ledger.close()
     result = eyrie("status", "--follow", "--json", "--run-dir", str(tmp_path), timeout=30)
     assert result.returncode == 1
     (view,) = [json.loads(line) for line in result.stdout.splitlines()]
-    assert view["ended"] and f"the runner (pid {gone.pid}) is gone" in view["note"]
+    assert view["ended"] and view["state"] == "running", view
+    assert re.fullmatch(
+        rf"the runner \(pid {os.getpid()} on node-elsewhere\) is gone: "
+        r"its last sign of life was 4\d\.\ds ago, at \d\d:\d\d:\d\d; the run did not end cleanly",
+        view["note"],
+    ), view["note"]
     assert view["steps"] == [{"step": "prep", "state": "pending", "attempt": None, "verdict": None,
                               "usage_bytes": None, "limit_bytes": None, "peak_bytes": None, "records": None,
                               "elapsed_s": None, "last_line": None}]  # fmt: skip
+
+
+def test_follow_goes_on_while_a_runner_that_samples_nothing_beats(tmp_path):
+    _open_run(tmp_path, executor="slurm", last_seen_ago=60)  # started long ago: only its heartbeats
+    ledger = Ledger(tmp_path)
+    sampler = HostSampler(ledger, "r1", None).start()  # as a Slurm runner's: heartbeats only
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "status", "--follow", "--json", "--run-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        live = [follower.stdout.readline() for _ in range(3)]  # three seconds of a live run
+    finally:
+        sampler.stop()
+        ledger.end_run("r1", "succeeded")
+        ledger.close()
+    out, err = follower.communicate(timeout=30)
+    assert follower.returncode == 0, err
+    views = [json.loads(line) for line in [*live, *out.splitlines()]]
+    assert not any(v["ended"] for v in views[:3]), "the follower took a beating runner for a dead one"
+    assert not any(v["note"] for v in views), views
+    assert views[-1]["ended"] and views[-1]["state"] == "succeeded"
+    assert all(v["host"] is None and not v["host_sampled"] for v in views)
