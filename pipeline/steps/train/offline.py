@@ -33,12 +33,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.memory.units import format_size
-from pipeline.run.manifest import atomic_path, atomic_write_text
+from pipeline.run.manifest import atomic_path, atomic_write_text, final_name_of
 from pipeline.steps.train.data import Example, collate
 
 INDEX = "index.json"
-# What atomic_path names a shard while it is written.
-_TEMPORARY = re.compile(r"^\.shard-\d{5}\.safetensors\.tmp-\d+$")
+_SHARD = re.compile(r"^shard-\d{5}\.safetensors$")
 SHARD_BYTES = 256 * 1024**2
 """Features per shard file: large enough to read sequentially, small enough that a kill loses little."""
 
@@ -97,7 +96,7 @@ def write_features(
     """Run ``hidden`` (the target: ``(input_ids, attention_mask, device) -> (features, last)``) over
     ``rows`` ``batch_size`` at a time and write the shards, then the index; shards already there are kept."""
     folder.mkdir(parents=True, exist_ok=True)
-    for leftover in (p for p in folder.iterdir() if _TEMPORARY.match(p.name)):
+    for leftover in (p for p in folder.iterdir() if _SHARD.match(final_name_of(p.name) or "")):
         leftover.unlink()  # a killed pass's shard in progress (one process writes a pass)
     per_token = bytes_per_token(hidden_size, dtype)
     groups = _shards(rows, per_token)

@@ -46,3 +46,36 @@ def test_atomic_path_leaves_nothing_on_failure(tmp_path):
         tmp.write_text(json.dumps({"ok": True}))
     assert json.loads(target.read_text()) == {"ok": True}
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_a_folder_is_on_disk_whole_before_its_name_says_complete(tmp_path, monkeypatch):
+    """After a power loss a renamed folder must not hold a torn file: every file in it and the folder
+    itself are fsynced before the rename, and the parent (which holds the new name) after it."""
+    import os
+
+    from pipeline.run import manifest
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "fsync", fsync)
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    final = tmp_path / "step-00000100"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        (tmp / "nested").mkdir()
+        (tmp / "state.pt").write_bytes(b"weights")
+        (tmp / "nested" / "meta.json").write_text("{}")
+    renamed = events.index(("rename", str(final)))
+    before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert before == {str(tmp / "state.pt"), str(tmp / "nested" / "meta.json"), str(tmp / "nested"), str(tmp)}
+    assert events[renamed + 1 :] == [("fsync", str(tmp_path))]
+    assert (final / "state.pt").read_bytes() == b"weights"
