@@ -7,8 +7,9 @@ ran rank 0, after every worker has exited cleanly. Several nodes must share the 
 folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
 launching process runs the target's features pass first, and the workers train from its shards.
 
-Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
-2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
+Exit codes: 0 done; 1 training failed, or the target server could not be reached (a rerun resumes
+from the last checkpoint); 2 bad settings or input, said in one line per problem; 128+N stopped by
+signal N.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.run.manifest import atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.sglang import SGLangError, gpus_released
+from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.model import check_draftable
 from pipeline.steps.train.train import TrainConfig
@@ -279,11 +280,17 @@ def train_command(config_file: Path | None, **overrides) -> int:
         return EXIT_BAD_INPUT
     cfg.out.mkdir(parents=True, exist_ok=True)
     try:
-        with gpus_released(cfg.release_target):
+        with gpus_released(cfg.release_target, step_dir):
             rc = _train_here(cfg)
-    except SGLangError as exc:
+    except SGLangRefused as exc:
         _say(str(exc))
         return EXIT_BAD_INPUT
+    except SGLangUnavailable as exc:
+        _say(f"{exc}; a rerun tries again")
+        return EXIT_FAILED
+    except Terminated as exc:
+        _say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
+        return 128 + exc.signum
     if rc is not None:
         return rc
     report = json.loads((cfg.out / EVAL).read_text())
