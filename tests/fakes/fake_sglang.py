@@ -42,8 +42,22 @@ class FakeSGLang:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _failed(self) -> bool:
+                """Answers the route's next failure, if one is pending."""
+                pending = fake.failures.get(self.path)
+                if not pending:
+                    return False
+                status = pending.pop(0)
+                if status:
+                    self._answer(status, {"detail": "not now"})
+                else:
+                    self.close_connection = True
+                return True
+
             def do_GET(self) -> None:
                 fake.calls.append(self.path)
+                if self._failed():
+                    return
                 if self.path == "/server_info":
                     self._answer(200, info)
                 else:
@@ -52,13 +66,7 @@ class FakeSGLang:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 fake.calls.append(self.path)
-                pending = fake.failures.get(self.path)
-                if pending:
-                    status = pending.pop(0)
-                    if status:
-                        self._answer(status, {"detail": "not now"})
-                    else:
-                        self.close_connection = True
+                if self._failed():
                     return
                 if self.path == "/generate":
                     self._answer(
