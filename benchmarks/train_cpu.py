@@ -28,7 +28,9 @@ def measure(cfg: TrainConfig, eval_prompts: int, max_new_tokens: int = 64) -> di
     train_s = time.monotonic() - started
     target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
-    simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
+    simulated = simulated_acceptance(
+        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk
+    )
     started = time.monotonic()
     real = real_acceptance(
         target, draft, heldout[:eval_prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)

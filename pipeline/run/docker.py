@@ -32,9 +32,11 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pipeline.memory import Budget, read_meminfo
+from pydantic import BeforeValidator
+
+from pipeline.memory import Budget, parse_size, read_meminfo
 from pipeline.run.executor import (
     STDERR_TAIL_LINES,
     STOP_GRACE_S,
@@ -310,6 +312,9 @@ class DockerAttempt:
 class DockerOptions(StepOptions):
     image: str | None = None
     """The step's image (default: $EYRIE_IMAGE, the runner's own container's, or eyrie-pipeline:latest)."""
+    shm_size: Annotated[int, BeforeValidator(parse_size)] | None = None
+    """Size of the container's /dev/shm (Docker's default: 64 MiB), e.g. ``16GiB`` for NCCL between
+    processes on several GPUs. A tmpfs: what is written there counts against the step's memory limit."""
 
     def fingerprint(self) -> dict[str, Any]:
         return {"image": self.image}
@@ -412,7 +417,8 @@ class DockerExecutor:
             ) from None
 
     def _start(self, launch: Launch) -> DockerAttempt:
-        image = (launch.options.image if isinstance(launch.options, DockerOptions) else None) or self.image
+        options = launch.options if isinstance(launch.options, DockerOptions) else DockerOptions()
+        image = options.image or self.image
         try:
             self.client.images.get(image)
         except docker.errors.ImageNotFound:
@@ -460,6 +466,7 @@ class DockerExecutor:
             cap_drop=["ALL"],
             security_opt=["no-new-privileges:true"],
             pids_limit=step_pids_limit(len(os.sched_getaffinity(0))),
+            shm_size=options.shm_size,
             labels={
                 "eyrie.run": launch.run_id,
                 "eyrie.step": launch.step,

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,22 +62,53 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(path: Path) -> None:
+    """Every file under ``path`` (a file or a folder), then each folder bottom-up: after a power
+    loss the renamed name holds what was written, not a file of zeros or a missing entry."""
+    if not path.is_dir():
+        with open(path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        return
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(Path(root))
+
+
+def temporary_name(path: str | os.PathLike[str]) -> str:
+    """What :func:`atomic_path` names ``path`` while it is written (a hidden sibling, this process's)."""
+    return f".{Path(path).name}.tmp-{os.getpid()}"
+
+
+_TEMPORARY = re.compile(r"^\.(?P<final>.+)\.tmp-\d+$")
+
+
+def final_name_of(temporary: str) -> str | None:
+    """The name a temporary of :func:`atomic_path` (any process's) stands for; None for another name.
+
+    A write killed midway leaves its temporary behind: the one process that writes a folder removes
+    what it finds this way before writing again.
+    """
+    match = _TEMPORARY.match(temporary)
+    return match.group("final") if match else None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success it is fsynced and renamed onto ``path``.
 
-    On an exception the temporary file or folder is removed, so nothing half-written
+    A folder is fsynced whole (every file in it, and the folder) before the rename, and the parent
+    after it. On an exception the temporary file or folder is removed, so nothing half-written
     ever sits under the final name.
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = final.with_name(temporary_name(final))
     _remove(tmp)
     try:
         yield tmp
-        if tmp.is_file():
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+        _fsync_tree(tmp)
         if tmp.is_dir() or final.is_dir():
             _remove(final)  # a folder cannot be renamed over; a file is swapped in, its name never missing
         os.replace(tmp, final)
@@ -263,9 +295,11 @@ __all__ = [
     "atomic_write_text",
     "check_manifest",
     "declare_outputs",
+    "final_name_of",
     "invalidate_manifest",
     "manifest_digest",
     "read_manifest",
     "step_dir_from_env",
+    "temporary_name",
     "write_manifest",
 ]

@@ -133,13 +133,33 @@ def meta_model(config: Any, dtype: Any, *, trust_remote_code: bool):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
+# What the steps read of a target by file: its config and its weights with their index (the
+# tokenizer and any code it ships are fetched by transformers when they are loaded).
+MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+
+
 def model_folder(target: str | Path) -> Path:
-    """The folder holding the target's files: its own, or the hub cache's snapshot of a hub id."""
+    """The folder holding the target's files: its own, or the hub cache's snapshot of a hub id
+    (fetched, when it is not there yet, for the files the steps read)."""
     if is_local(target):
         return Path(target)
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-    return Path(snapshot_download(str(target)))
+    try:
+        return Path(snapshot_download(str(target), allow_patterns=list(MODEL_FILES)))
+    except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise TargetError(_reason(exc, target, "--target")) from None
+
+
+def weights_key(target: str | Path) -> dict[str, Any]:
+    """What names the target's weights: a hub id's snapshot (the commit it was fetched at), or a
+    folder's config and weight files (name, size, modification time)."""
+    folder = model_folder(target)
+    if not is_local(target):
+        return {"hub": str(target), "revision": folder.name}
+    files = sorted({f for pattern in MODEL_FILES for f in folder.glob(pattern) if f.is_file()})
+    return {"files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
 
 
 def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust_remote_code: bool):
@@ -165,12 +185,12 @@ def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust
         key = stored.get(name, name)
         file = folder / (files.get(key, "") if files is not None else "model.safetensors")
         if not file.is_file():
-            raise ValueError(
+            raise TargetError(
                 f"no tensor {key} in the safetensors files of {target}: offline training reads it"
             )
         with safe_open(file, framework="pt") as f:
             if key not in f.keys():
-                raise ValueError(f"no tensor {key} in {file}: offline training reads it")
+                raise TargetError(f"no tensor {key} in {file}: offline training reads it")
             tensors[name] = f.get_tensor(key).to(dtype)
     head = head.to_empty(device=device)
     with torch.no_grad():

@@ -122,9 +122,10 @@ def test_step_containers_carry_limit_labels_and_the_run_dir(images, tmp_path):
     pipeline.write_text("""
 steps:
   - name: inspect
-    command: [sh, -c, "cat /proc/self/cgroup > cgroup.txt; cat $HF_TOKEN_PATH > token.txt; sleep 3;
-              echo ok > done.txt"]
+    command: [sh, -c, "cat /proc/self/cgroup > cgroup.txt; cat $HF_TOKEN_PATH > token.txt;
+              df -k /dev/shm > shm.txt; sleep 3; echo ok > done.txt"]
     memory: 80MiB
+    docker: {shm_size: 48MiB}
     outputs: [done.txt]
 """)
     token = tmp_path / "hf_token"
@@ -149,6 +150,10 @@ steps:
     assert runner.returncode == 0, output
     host = inspect["HostConfig"]
     assert host["Memory"] == host["MemorySwap"] == 80 * 2**20
+    # /dev/shm as the step asks (Docker's default is 64 MiB), a tmpfs charged to the step's limit.
+    assert host["ShmSize"] == 48 * 2**20
+    shm = (run_dir / "inspect" / "shm.txt").read_text().splitlines()[-1].split()
+    assert int(shm[1]) == 48 * 1024, shm
     # No capability, no privilege gain, a bound on tasks.
     from pipeline.run.docker import step_pids_limit
 

@@ -12,24 +12,45 @@ speed-up is a ratio measured side by side.
   tokens per target forward, against the same loop proposing none. Its outputs must equal
   each other token for token (greedy verification is lossless): a difference fails the step.
 
+Both check the draft folder first: every tensor its class holds, by name and shape, for this
+target (SGLang would skip an unknown tensor and leave a missing one random). With ``--topk 1``
+both verify ``num_steps + 1`` tokens per target forward, as SGLang does whatever
+``--num-draft-tokens`` says; the settings recorded are those that ran.
+
+Exit codes: 0 measured; 1 failed (a server that would not start or answer through its retries,
+decoding that changed the target's output); 2 bad settings or input, in one line; 128+N stopped by
+signal N.
+
 Writes ``accept.json`` and the step's manifest (both figures in its stats, which the report shows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from rich.console import Console
 
 from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.sglang import SGLangError, Speculation, generate, gpus_released, sglang_server
-from pipeline.steps.target import TargetError, check_target
+from pipeline.steps.generate.config import Retry
+from pipeline.steps.generate.serve import ServeError
+from pipeline.steps.sglang import (
+    SGLangRefused,
+    SGLangUnavailable,
+    Speculation,
+    Terminated,
+    generate,
+    gpus_released,
+    sglang_server,
+)
+from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.train.export import check_draft
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
@@ -57,10 +78,16 @@ class Settings:
     release_target: str | None
     startup_timeout_s: float
     request_timeout_s: float
+    retry: Retry = field(default_factory=Retry)
+    """Of each request to a server: a transient fault (refused, reset, timed out, 5xx) is sent again."""
 
 
 class AcceptError(ValueError):
     """Wrong settings or inputs: one line."""
+
+
+class DecodingMismatch(RuntimeError):
+    """Speculative decoding changed the target's greedy output: a bug, the step fails."""
 
 
 def check(settings: Settings) -> None:
@@ -75,15 +102,20 @@ def check(settings: Settings) -> None:
     spec = settings.speculation
     if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
         raise AcceptError("--num-steps, --topk and --num-draft-tokens must each be at least 1")
-    if settings.engine == "chain" and (spec.topk != 1 or spec.num_draft_tokens != spec.num_steps + 1):
+    if settings.engine == "chain" and spec.topk != 1:
         raise AcceptError(
             f"--engine chain drafts one chain: --topk 1 and --num-draft-tokens {spec.num_steps + 1} "
             f"(--num-steps + 1), not --topk {spec.topk} --num-draft-tokens {spec.num_draft_tokens}"
         )
     try:
         check_target(settings.target, "--target")
+        target = target_config(settings.target, trust_remote_code=settings.trust_remote_code)
     except TargetError as exc:
         raise AcceptError(str(exc)) from None
+    try:
+        check_draft(settings.draft, target)
+    except ValueError as exc:
+        raise AcceptError(f"--draft {exc}") from None
 
 
 def heldout_prompts(settings: Settings) -> list[list[int]]:
@@ -108,12 +140,14 @@ def heldout_prompts(settings: Settings) -> list[list[int]]:
 
 def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> dict:
     """Every prompt through ``url``, ``concurrency`` in flight, after one warm-up request."""
-    generate(url, prompts[0], 8, settings.request_timeout_s)
+
+    def complete(prompt: list[int], max_new_tokens: int) -> dict:
+        return generate(url, prompt, max_new_tokens, settings.request_timeout_s, settings.retry)
+
+    complete(prompts[0], 8)
     started = time.monotonic()
     with ThreadPoolExecutor(settings.concurrency) as pool:
-        metas = list(
-            pool.map(lambda p: generate(url, p, settings.max_new_tokens, settings.request_timeout_s), prompts)
-        )
+        metas = list(pool.map(lambda p: complete(p, settings.max_new_tokens), prompts))
     seconds = time.monotonic() - started
     tokens = sum(m["completion_tokens"] for m in metas)
     forwards = sum(m.get("spec_verify_ct", 0) for m in metas)
@@ -128,7 +162,7 @@ def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> dict:
 
 def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> tuple[dict, dict]:
     runs = {}
-    with gpus_released(settings.release_target):
+    with gpus_released(settings.release_target, logs, retry=settings.retry):
         for name, speculation in (("speculative", settings.speculation), ("baseline", None)):
             how = "with" if speculation else "without"
             console.print(f"accept: SGLang {how} the draft, {len(prompts)} prompts", markup=False)
@@ -175,11 +209,15 @@ def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, d
         }
     if outputs["speculative"] != outputs["baseline"]:
         differ = sum(a != b for a, b in zip(outputs["speculative"], outputs["baseline"], strict=True))
-        raise RuntimeError(
+        raise DecodingMismatch(
             f"speculative decoding changed {differ} of {len(prompts)} greedy outputs: the draft's tokens "
             "must only ever be kept where the target agrees (a bug, not a draft quality issue)"
         )
     return runs["speculative"], runs["baseline"]
+
+
+def _say(message: str) -> None:
+    console.print(f"eyrie accept: {message}", markup=False, highlight=False)
 
 
 def accept(settings: Settings, out_dir: Path | None = None) -> int:
@@ -188,19 +226,30 @@ def accept(settings: Settings, out_dir: Path | None = None) -> int:
         check(settings)
         prompts = heldout_prompts(settings)
     except AcceptError as exc:
-        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+        _say(str(exc))
         return EXIT_BAD_INPUT
+    served = settings.speculation.as_served()
+    if served != settings.speculation:
+        _say(
+            f"with --topk 1 the draft is one chain of --num-steps {served.num_steps}: "
+            f"{served.num_draft_tokens} tokens verified per target forward, not --num-draft-tokens "
+            f"{settings.speculation.num_draft_tokens} (as SGLang runs it)"
+        )
+        settings = dataclasses.replace(settings, speculation=served)
     try:
         if settings.engine == "sglang":
             speculative, baseline = measure_sglang(settings, prompts, step_dir)
         else:
             speculative, baseline = measure_chain(settings, prompts)
-    except (TargetError, SGLangError) as exc:
-        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+    except (TargetError, SGLangRefused) as exc:
+        _say(str(exc))
         return EXIT_BAD_INPUT
-    except RuntimeError as exc:
-        console.print(f"eyrie accept: {exc}", markup=False, highlight=False)
+    except (SGLangUnavailable, ServeError, DecodingMismatch) as exc:
+        _say(str(exc))
         return EXIT_FAILED
+    except Terminated as exc:
+        _say(str(exc))
+        return 128 + exc.signum
     spec = settings.speculation
     result = {
         "engine": settings.engine,

@@ -20,12 +20,10 @@ from typing import Any
 
 import torch
 
-from pipeline.run.step_contract import atomic_path
+from pipeline.run.step_contract import atomic_path, final_name_of
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")
-# What atomic_path names a step folder while it is written.
-_TEMPORARY = re.compile(r"^\.step-\d{8}\.tmp-\d+$")
 
 
 def _folder_of(folder: Path, step: int) -> Path:
@@ -57,7 +55,7 @@ def remove_leftovers(folder: Path) -> list[Path]:
     """
     if not folder.is_dir():
         return []
-    leftovers = [p for p in folder.iterdir() if _TEMPORARY.match(p.name) and p.is_dir()]
+    leftovers = [p for p in folder.iterdir() if _NAME.match(final_name_of(p.name) or "") and p.is_dir()]
     for path in leftovers:
         shutil.rmtree(path)
     return leftovers

@@ -5,10 +5,13 @@ each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 
 and evaluates. The manifest is written last, by the launching process of the node that
 ran rank 0, after every worker has exited cleanly. Several nodes must share the output
 folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
-launching process runs the target's features pass first, and the workers train from its shards.
+launching process has the target's features pass run first, and the workers train from its shards.
+The launcher outlives every worker, so what it plans and runs before them (the placement, the
+features pass) runs in a child process of its own: their CUDA contexts and rows go with it.
 
-Exit codes: 0 done; 1 training failed (a rerun resumes from the last checkpoint);
-2 bad settings or input, said in one line per problem; 128+N stopped by signal N.
+Exit codes: 0 done; 1 training failed, or the target server could not be reached (a rerun resumes
+from the last checkpoint); 2 bad settings or input, said in one line per problem; 128+N stopped by
+signal N.
 """
 
 from __future__ import annotations
@@ -26,22 +29,31 @@ from pydantic import ValidationError
 
 from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
-from pipeline.steps.sglang import SGLangError, gpus_released, release_url
+from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.config import TrainConfig
+from pipeline.steps.train.placement import PlacementError
 
 DRAFT = "draft"
 EVAL = "eval.json"
 RESOLVED = "train_config.json"
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-# What the step raises for wrong settings or input (a missing file, shards it cannot use,
-# a target it cannot load): said in one line, nothing to resume.
-BAD_INPUT_ERRORS = (ValueError, FileNotFoundError)
 
 
 class SettingsError(Exception):
     """Wrong settings: one ``<where>: <field>: <message>`` line per problem."""
+
+
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    """What the step raises for wrong settings or input (shards it cannot use, a target it cannot
+    load or place, too little disk for the features): said in one line, exit 2, nothing to resume.
+    Any other error is a failure, with its traceback. Imported when needed: this module stays
+    light for `eyrie --help`."""
+    from pipeline.steps.train.offline import FeaturesError
+    from pipeline.steps.train.train import TrainingInputError
+
+    return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError)
 
 
 def _validation_lines(exc: ValidationError, where_of) -> str:
@@ -113,7 +125,10 @@ def worker(cfg: TrainConfig) -> int:
     setup, draft = built.setup, built.draft.eval()
     export_draft(draft, cfg.out / DRAFT, setup.layer_ids, dtype=setup.dtype)
     started = time.monotonic()
-    simulated = simulated_acceptance(built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id)
+    simulated = simulated_acceptance(
+        built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id, batch_size=cfg.batch_size,
+        loss_chunk=cfg.loss_chunk,
+    )  # fmt: skip
     prompts = setup.heldout[: cfg.eval_prompts]
     target = target_for_evaluation(cfg, built) if prompts else None
     real = real_acceptance(
@@ -138,7 +153,7 @@ def worker(cfg: TrainConfig) -> int:
 
 
 def offline_features(cfg: TrainConfig) -> None:
-    """The offline features pass, run here, in one process, before the workers train from its shards."""
+    """The offline features pass, in one process over every GPU, before the workers train from its shards."""
     from pipeline.steps.train.train import features_pass, prepare
 
     setup = prepare(cfg, world=1)
@@ -157,7 +172,7 @@ def worker_main(resolved: Path) -> int:
     worker, the others would repeat it) and exit 2, which tells the launcher not to offer a resume."""
     try:
         worker(read_resolved(resolved))
-    except (SettingsError, *BAD_INPUT_ERRORS) as exc:
+    except bad_input_errors() as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             _say(str(exc))
         return EXIT_BAD_INPUT
@@ -182,6 +197,11 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise SettingsError(
             "--target-placement offline runs on one node (--nnodes 1): its features pass, which every "
             "process then reads, is written before the workers start"
+        )
+    if cfg.target_placement == "sharded" and cfg.nnodes > 1:
+        raise SettingsError(
+            "--target-placement sharded runs in one process over one node's GPUs: drop --nnodes "
+            "(or use replicated, one copy of the target per process, on several nodes)"
         )
 
 
@@ -221,17 +241,41 @@ def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
     return 0, 0 in finished  # keyed by global rank
 
 
-def placement_for_launch(cfg: TrainConfig, devices=None) -> TrainConfig:
-    """``auto`` with several processes on one node: each rank holds the target when one GPU holds it
-    beside the draft (replicated); otherwise it is sharded over every GPU, in one process."""
-    if cfg.target_placement != "auto" or cfg.nproc == 1 or cfg.nnodes > 1:
-        return cfg
+def _in_child(function, *args):
+    """``function(*args)`` in a child process of its own, started for it: what it loads (CUDA contexts
+    on every GPU it measures or uses, the rows, the target) goes when it ends, and the launcher,
+    which waits for the workers as long as they train, keeps none of it."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
+def _launch_plan(cfg: TrainConfig, devices) -> tuple[str, str]:
+    """(placement, reason) of ``auto`` for the launching process: the target alone, every GPU."""
     from pipeline.steps.train.train import prepare
 
     plan = prepare(cfg, world=1, devices=devices).plan
-    if plan.placement != "sharded":
+    return plan.placement, plan.reason
+
+
+def placement_for_launch(cfg: TrainConfig, devices=None) -> TrainConfig:
+    """What several processes on one node hold. ``sharded`` is one process over every GPU; with
+    ``auto`` each rank holds the target when one GPU holds it beside the draft (replicated), and
+    otherwise it is sharded over every GPU, in one process."""
+    if cfg.nproc == 1 or cfg.nnodes > 1 or cfg.target_placement not in ("auto", "sharded"):
         return cfg
-    print(f"target placement auto: {plan.reason}; one process trains, not --nproc {cfg.nproc}", flush=True)
+    if cfg.target_placement == "sharded":
+        print(
+            f"target placement sharded: one process trains over every GPU, not --nproc {cfg.nproc}",
+            flush=True,
+        )
+        return cfg.model_copy(update={"nproc": 1})
+    placement, reason = _in_child(_launch_plan, cfg, devices)
+    if placement != "sharded":
+        return cfg
+    print(f"target placement auto: {reason}; one process trains, not --nproc {cfg.nproc}", flush=True)
     return cfg.model_copy(update={"nproc": 1, "target_placement": "sharded"})
 
 
@@ -239,18 +283,10 @@ def _train_here(cfg: TrainConfig) -> int | None:
     """Train (in this process or under torchrun); an exit code, or None when this node's
     rank 0 wrote the draft and eval.json, whose manifest is still to write."""
     if "LOCAL_RANK" not in os.environ:
-        try:
-            cfg = placement_for_launch(cfg)
-        except BAD_INPUT_ERRORS as exc:
-            _say(str(exc))
-            return EXIT_BAD_INPUT
+        cfg = placement_for_launch(cfg)
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         if cfg.target_placement == "offline":
-            try:
-                offline_features(cfg)
-            except BAD_INPUT_ERRORS as exc:
-                _say(str(exc))
-                return EXIT_BAD_INPUT
+            _in_child(offline_features, cfg)
         resolved = cfg.out / RESOLVED
         atomic_write_text(resolved, cfg.model_dump_json(indent=2))
         rc, ran_rank_0 = launch_workers(cfg, resolved)
@@ -261,11 +297,7 @@ def _train_here(cfg: TrainConfig) -> int | None:
             _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
             return 0
         return None
-    try:
-        worker(cfg)
-    except BAD_INPUT_ERRORS as exc:
-        _say(str(exc))
-        return EXIT_BAD_INPUT
+    worker(cfg)
     return None
 
 
@@ -282,11 +314,17 @@ def train_command(config_file: Path | None, **overrides) -> int:
         return EXIT_BAD_INPUT
     cfg.out.mkdir(parents=True, exist_ok=True)
     try:
-        with gpus_released(cfg.release_target):
+        with gpus_released(cfg.release_target, step_dir):
             rc = _train_here(cfg)
-    except SGLangError as exc:
+    except (*bad_input_errors(), SGLangRefused) as exc:
         _say(str(exc))
         return EXIT_BAD_INPUT
+    except SGLangUnavailable as exc:
+        _say(f"{exc}; a rerun tries again")
+        return EXIT_FAILED
+    except Terminated as exc:
+        _say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
+        return 128 + exc.signum
     if rc is not None:
         return rc
     report = json.loads((cfg.out / EVAL).read_text())

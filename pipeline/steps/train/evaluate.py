@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.steps.train.model import Eagle3Draft, StepCache
+from pipeline.steps.train.model import Eagle3Draft, StepCache, aux_layer_ids
 
 
 @torch.no_grad()
@@ -63,7 +63,7 @@ def speculative_generate(
     target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> tuple[list[int], list[int]]:
     """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
-    layer_ids = draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    layer_ids = aux_layer_ids(draft.config)
     device = draft.fc.weight.device
     argmax, features = _target_pass(target, prompt, layer_ids, device)
     ids = prompt + [argmax[-1]]

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -22,12 +23,14 @@ from pipeline.run.step_contract import atomic_path
 from pipeline.steps.train.model import Eagle3Draft, aux_layer_ids
 
 WEIGHTS = "model.safetensors"
+# Left out of the folder: the input embedding (the server shares the target's) and RoPE's tables.
+_NOT_EXPORTED = ("embed_tokens.", "rotary.")
 
 
 def exported_state(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in draft.state_dict().items():
-        if name.startswith(("embed_tokens.", "rotary.")):
+        if name.startswith(_NOT_EXPORTED):
             continue
         state[name] = tensor.detach().to("cpu").contiguous()
         if tensor.is_floating_point():
@@ -80,3 +83,41 @@ def load_draft(folder: Path, target_embedding: torch.Tensor) -> Eagle3Draft:
     except RuntimeError as exc:  # missing or unexpected keys, or a shape that is not the config's
         raise ValueError(f"{folder}: not a draft this class loads: {exc}".replace("\n", " ")) from None
     return draft.eval()
+
+
+def check_draft(folder: Path, target=None) -> None:
+    """The folder holds a draft this class loads strictly: every tensor of its class by name and
+    shape, and nothing else (read from the safetensors header: no weight is loaded); with the
+    target's config, a draft made for that target (its width and vocabulary). A ValueError says
+    what differs: SGLang itself would skip an unknown tensor and leave a missing one random."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder}: no exported draft config ({exc})") from None
+    missing = [k for k in ("draft_vocab_size", "target_hidden_size", "eagle_config") if k not in raw]
+    if missing or "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
+        raise ValueError(
+            f"{folder}/config.json is not an EAGLE-3 draft's (no {', '.join(missing) or 'architectures'})"
+        )
+    if target is not None:
+        theirs = {"vocab_size": target.vocab_size, "target_hidden_size": target.hidden_size}
+        ours = {"vocab_size": raw.get("vocab_size"), "target_hidden_size": raw["target_hidden_size"]}
+        if ours != theirs:
+            raise ValueError(f"{folder} is a draft for another target: it has {ours}, the target {theirs}")
+    with torch.device("meta"):
+        draft = Eagle3Draft(LlamaConfig(**raw))
+    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items() if not k.startswith(_NOT_EXPORTED)}
+    try:
+        with safe_open(folder / WEIGHTS, framework="pt") as weights:
+            found = {k: tuple(weights.get_slice(k).get_shape()) for k in weights.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"{folder / WEIGHTS}: cannot read it: {exc}") from None
+    problems = [f"missing {k}" for k in sorted(expected.keys() - found.keys())]
+    problems += [f"unexpected {k}" for k in sorted(found.keys() - expected.keys())]
+    problems += [
+        f"{k} is {list(found[k])}, its config makes {list(expected[k])}"
+        for k in sorted(expected.keys() & found.keys())
+        if found[k] != expected[k]
+    ]
+    if problems:
+        raise ValueError(f"{folder / WEIGHTS} is not the draft its config describes: {'; '.join(problems)}")

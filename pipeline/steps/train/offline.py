@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +34,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.memory.units import format_size
-from pipeline.run.step_contract import atomic_path, atomic_write_text
+from pipeline.run.step_contract import atomic_path, atomic_write_text, final_name_of
 from pipeline.steps.train.data import Example, collate
 
 INDEX = "index.json"
-# What atomic_path names a shard while it is written.
-_TEMPORARY = re.compile(r"^\.shard-\d{5}\.safetensors\.tmp-\d+$")
+_SHARD_NAME = "shard-{:05d}.safetensors"
+_SHARD = re.compile(r"^shard-\d{5}\.safetensors$")
 SHARD_BYTES = 256 * 1024**2
 """Features per shard file: large enough to read sequentially, small enough that a kill loses little."""
 
@@ -72,41 +73,71 @@ def _shards(rows: Sequence[Example], per_token: int) -> list[list[int]]:
     return groups
 
 
+class FeaturesError(ValueError):
+    """The features pass cannot run (too little disk) or its folder does not hold these rows: one line."""
+
+
 def _check_disk(folder: Path, tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
     element = torch.finfo(dtype).bits // 8
     needed = tokens * bytes_per_token(hidden_size, dtype)
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise ValueError(
+        raise FeaturesError(
             f"offline features need {format_size(needed)} more in {folder} ({tokens:,} tokens x 4 x "
             f"{hidden_size} x {element} bytes), which has {format_size(free)} free: free space, give "
             "--features-dir a larger disk, or use --target-placement sharded"
         )
 
 
+@dataclass
+class PendingPass:
+    """A pass's shards (groups of rows), and those still to write."""
+
+    folder: Path
+    hidden_size: int
+    dtype: torch.dtype
+    rows: Sequence[Example]
+    groups: list[list[int]]
+    """Each shard's rows, by their index in ``rows``."""
+    missing: list[int]
+
+    @property
+    def names(self) -> list[str]:
+        return [_SHARD_NAME.format(i) for i in range(len(self.groups))]
+
+    def tokens(self, shards) -> int:
+        return sum(len(self.rows[r].input_ids) for i in shards for r in self.groups[i])
+
+
+def pending_pass(rows: Sequence[Example], folder: Path, hidden_size: int, dtype: torch.dtype) -> PendingPass:
+    """What a pass over ``rows`` still has to write in ``folder``, once the disk is known to hold it
+    (checked before the target is loaded, with the arithmetic in the error). A killed pass's shard in
+    progress is removed (one process writes a pass)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in (p for p in folder.iterdir() if _SHARD.match(final_name_of(p.name) or "")):
+        leftover.unlink()
+    groups = _shards(rows, bytes_per_token(hidden_size, dtype))
+    missing = [i for i in range(len(groups)) if not (folder / _SHARD_NAME.format(i)).is_file()]
+    pending = PendingPass(folder, hidden_size, dtype, rows, groups, missing)
+    _check_disk(folder, pending.tokens(missing), hidden_size, dtype)
+    return pending
+
+
 def write_features(
     hidden: Callable[[torch.Tensor, torch.Tensor, torch.device], tuple[torch.Tensor, torch.Tensor]],
-    rows: Sequence[Example],
-    folder: Path,
+    pending: PendingPass,
     layer_ids: list[int],
-    hidden_size: int,
-    dtype: torch.dtype,
     batch_size: int,
     pad_id: int,
     log: Callable[[str], None],
 ) -> None:
-    """Run ``hidden`` (the target: ``(input_ids, attention_mask, device) -> (features, last)``) over
-    ``rows`` ``batch_size`` at a time and write the shards, then the index; shards already there are kept."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for leftover in (p for p in folder.iterdir() if _TEMPORARY.match(p.name)):
-        leftover.unlink()  # a killed pass's shard in progress (one process writes a pass)
-    per_token = bytes_per_token(hidden_size, dtype)
-    groups = _shards(rows, per_token)
-    names = [f"shard-{i:05d}.safetensors" for i in range(len(groups))]
-    missing = [i for i, name in enumerate(names) if not (folder / name).is_file()]
-    tokens = [sum(len(rows[r].input_ids) for r in group) for group in groups]
-    total, left = sum(tokens), sum(tokens[i] for i in missing)
-    _check_disk(folder, left, hidden_size, dtype)
+    """Run ``hidden`` (the target: ``(input_ids, attention_mask, device) -> (features, last)``) over the
+    rows of the shards still to write, ``batch_size`` at a time, and write them, then the index."""
+    folder, groups, missing, dtype = pending.folder, pending.groups, pending.missing, pending.dtype
+    rows = pending.rows
+    names = pending.names
+    per_token = bytes_per_token(pending.hidden_size, dtype)
+    total, left = pending.tokens(range(len(groups))), pending.tokens(missing)
     log(
         f"features pass: {sum(map(len, groups)):,} rows, {total:,} tokens x {per_token:,} bytes = "
         f"{format_size(total * per_token)} in {len(groups)} shards under {folder}"
@@ -138,7 +169,7 @@ def write_features(
         log(f"features pass: shard {i + 1}/{len(groups)} written ({done:,}/{left:,} tokens, {rate:,.0f}/s)")
     index = {
         "layer_ids": list(layer_ids),
-        "hidden_size": hidden_size,
+        "hidden_size": pending.hidden_size,
         "dtype": str(dtype).removeprefix("torch."),
         "bytes_per_token": per_token,
         "rows": sum(map(len, groups)),
@@ -173,7 +204,7 @@ class FeatureShards:
         try:
             n, start, end = self._where[digest]
         except KeyError:
-            raise ValueError(
+            raise FeaturesError(
                 f"a row has no features in {self.folder}: its pass saw other rows; remove it to run it again"
             ) from None
         shard = self._files[n]

@@ -261,13 +261,25 @@ def split(units: list[Unit], devices: list[Device], draft: int) -> list[Share] |
     return None
 
 
-def plan(placement: str, units: list[Unit], devices: list[Device], draft: int, world: int) -> Plan:
+def plan(
+    placement: str,
+    units: list[Unit],
+    devices: list[Device],
+    draft: int,
+    world: int,
+    features_pass: bool = True,
+) -> Plan:
     """Resolve ``placement`` over ``devices`` (``devices[0]`` is this process's own), or refuse with
-    the numbers."""
+    the numbers.
+
+    ``features_pass``: for ``offline``, whether the target's pass over the data is still to run (it
+    runs in one process, over every device); once its features are on disk, training plans only
+    what it holds, the draft and the lm_head, on each process's own device.
+    """
     target = sum(u.weights for u in units)
     gpus = devices[0].name.startswith("cuda")
     if placement == "offline":
-        features = plan("auto", units, devices, 0, 1)
+        features = plan("auto", units, devices, 0, 1) if features_pass else None
         # The lm_head, what offline training holds; tied to the embedding it is counted there, but
         # held alone it is a copy of it.
         embedding = units[0].weights
@@ -279,7 +291,10 @@ def plan(placement: str, units: list[Unit], devices: list[Device], draft: int, w
                 f"({format_size(sum(u.weights for u in head))}); {devices[0].name} has "
                 f"{format_size(devices[0].usable)} usable: lower --batch-size or --max-length"
             )
-        reason = f"the target writes its features once, {features.reason}; training holds its lm_head"
+        if features is None:
+            reason = "the target's features are on disk; training holds its lm_head"
+        else:
+            reason = f"the target writes its features once, {features.reason}; training holds its lm_head"
         return Plan("offline", reason, shares, features=features)
     if placement in ("auto", "replicated"):
         shares = split(units, devices[:1], draft)

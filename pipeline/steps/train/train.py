@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.steps.target import load_head, load_model, target_config
+from pipeline.run.step_contract import atomic_write_text
+from pipeline.steps.target import load_head, load_model, target_config, weights_key
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.data import (
@@ -52,7 +53,7 @@ from pipeline.steps.train.model import (
     soft_cross_entropy,
     vocab_map,
 )
-from pipeline.steps.train.offline import FeatureShards, is_complete, write_features
+from pipeline.steps.train.offline import FeatureShards, is_complete, pending_pass, write_features
 from pipeline.steps.train.placement import (
     Device,
     Plan,
@@ -61,6 +62,10 @@ from pipeline.steps.train.placement import (
     target_units,
 )
 from pipeline.steps.train.placement import plan as plan_placement
+
+
+class TrainingInputError(ValueError):
+    """The data or the settings cannot be trained on (found while preparing or resuming): one line."""
 
 
 class DraftLoss(nn.Module):
@@ -120,17 +125,52 @@ def _digest(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def run_key(cfg: TrainConfig, world: int) -> str:
-    """Names the checkpoints of one training: same settings, same data files, same world size.
-
-    A rerun with other data or settings starts afresh instead of resuming someone else's run.
-    """
-    payload = {
+def run_settings(cfg: TrainConfig, world: int) -> dict:
+    """What makes one training: its settings, its data files, its world size (processes)."""
+    return {
         "config": cfg.model_dump(mode="json", exclude=_NOT_TRAINING),
         "data": _files_key(cfg.data, "*.parquet"),
         "world": world,
     }
-    return _digest(payload)
+
+
+def run_key(cfg: TrainConfig, world: int) -> str:
+    """Names the checkpoints of one training (a digest of :func:`run_settings`).
+
+    A rerun with other data or settings starts afresh instead of resuming someone else's run.
+    """
+    return _digest(run_settings(cfg, world))
+
+
+# Beside a training's checkpoints, the settings its key was made of.
+RUN_SETTINGS = "settings.json"
+
+
+def _differences(mine: dict, theirs: dict) -> str:
+    """What differs between two trainings (:func:`run_settings`): ``name theirs -> mine``."""
+    new, old = (
+        {**mine["config"], "processes": mine["world"]},
+        {**theirs["config"], "processes": theirs["world"]},
+    )
+    changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new | old) if new.get(k) != old.get(k)]
+    return ", ".join(changed + (["the data files"] if mine["data"] != theirs["data"] else []))
+
+
+def other_trainings(folder: Path, settings: dict) -> list[str]:
+    """A line for each other training with checkpoints beside ``folder`` (those of ``settings``),
+    naming what differs: a rerun that starts afresh because a setting changed (``auto`` measured
+    other free memory and chose another number of processes, say) says so."""
+    lines = []
+    for other in sorted(folder.parent.iterdir()) if folder.parent.is_dir() else []:
+        step = ckpt.latest_step(other)
+        if other == folder or not step:
+            continue
+        try:
+            differs = _differences(settings, json.loads((other / RUN_SETTINGS).read_text()))
+        except (OSError, ValueError, KeyError):
+            differs = "settings it did not record"
+        lines.append(f"checkpoints of another training in {other} (step {step}) are not resumed: {differs}")
+    return lines
 
 
 def rows_file(cfg: TrainConfig) -> Path:
@@ -142,7 +182,7 @@ def rows_file(cfg: TrainConfig) -> Path:
 def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) -> Path:
     """The offline features of this target, data, length, layers and dtype (other ones get another folder)."""
     payload = {
-        "target": _files_key(cfg.target, "*"),
+        "target": weights_key(cfg.target),
         "data": _files_key(cfg.data, "*.parquet"),
         "max_length": cfg.max_length,
         "layer_ids": layer_ids,
@@ -201,6 +241,7 @@ class Setup:
 def plan_for(
     cfg: TrainConfig, config, draft: Eagle3Draft, dtype: torch.dtype, world: int, longest: int,
     devices: list[Device] | None = None, placement: str | None = None, draft_needs: int | None = None,
+    features_pass: bool = True,
 ) -> Plan:  # fmt: skip
     """The placement plan of this training: the target's modules, the draft's needs, the devices.
 
@@ -215,7 +256,9 @@ def plan_for(
         element = torch.finfo(dtype).bits // 8
         draft_needs = draft_bytes(draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element)
     devices = devices or measure_devices(every_gpu=world == 1)
-    return plan_placement(placement or cfg.target_placement, units, devices, draft_needs, world)
+    return plan_placement(
+        placement or cfg.target_placement, units, devices, draft_needs, world, features_pass
+    )
 
 
 def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -> Setup:
@@ -223,24 +266,33 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    rows = load_shards(cfg.data, cfg.max_length, rows_file(cfg))
+    try:
+        rows = load_shards(cfg.data, cfg.max_length, rows_file(cfg))
+    except (ValueError, FileNotFoundError) as exc:  # shards it cannot read
+        raise TrainingInputError(str(exc)) from None
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
     if not train_rows:
-        raise ValueError(f"no training rows with assistant tokens in {cfg.data}")
+        raise TrainingInputError(f"no training rows with assistant tokens in {cfg.data}")
     vocab = config.vocab_size
     largest = rows.largest_token()
     if largest >= vocab:
-        raise ValueError(
+        raise TrainingInputError(
             f"token id {largest} in {cfg.data} is outside the target's vocabulary ({vocab}): "
             f"tokenize the data with {cfg.target}'s tokenizer"
         )
     d2t, t2d = vocab_map(token_counts(train_rows, vocab), cfg.draft_vocab_size)
     layer_ids = cfg.layer_ids or default_layer_ids(config.num_hidden_layers)
-    check_layer_ids(layer_ids, config.num_hidden_layers)
+    try:
+        check_layer_ids(layer_ids, config.num_hidden_layers)
+    except ValueError as exc:
+        raise TrainingInputError(f"--layer-ids: {exc}") from None
     torch.manual_seed(cfg.seed)  # the same initial draft whatever was loaded before it
     draft = Eagle3Draft(draft_config(config, d2t.shape[0], layer_ids))
     longest = int(rows.lengths().max())  # rows are cut at --max-length
-    plan = plan_for(cfg, config, draft, dtype, world, longest, devices)
+    # The offline pass runs once, in one process: once its features are on disk, a process plans
+    # only what training holds on its own device.
+    pending = cfg.target_placement == "offline" and not is_complete(features_folder(cfg, layer_ids, dtype))
+    plan = plan_for(cfg, config, draft, dtype, world, longest, devices, features_pass=pending)
     return Setup(config, dtype, pad_id, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
 
 
@@ -257,12 +309,10 @@ def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
     if is_complete(folder):
         log(f"features pass: complete in {folder}")
         return folder
+    pending = pending_pass(setup.rows, folder, setup.config.hidden_size, setup.dtype)  # the disk first
     target = _load(cfg, setup.dtype, setup.plan.features)
     source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=torch.device("cpu"))
-    write_features(
-        source.hidden, setup.rows, folder, setup.layer_ids, setup.config.hidden_size, setup.dtype,
-        cfg.batch_size, setup.pad_id, log,
-    )  # fmt: skip
+    write_features(source.hidden, pending, setup.layer_ids, cfg.batch_size, setup.pad_id, log)
     del source, target  # the target's memory goes back to the devices before training starts
     gc.collect()
     if torch.cuda.is_available():
@@ -287,7 +337,7 @@ def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Bu
     device = torch.device(setup.plan.draft_device)
     if setup.plan.placement == "offline":
         if world > 1 and not is_complete(features_folder(cfg, setup.layer_ids, setup.dtype)):
-            raise ValueError("the offline features pass is not complete: run it in one process first")
+            raise TrainingInputError("the offline features pass is not complete: run it in one process first")
         folder = features_pass(cfg, setup, log)
         lm_head, embedding = load_head(
             cfg.target, setup.config, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
@@ -334,7 +384,7 @@ def resume(folder: Path, rank: int, world: int, device: torch.device) -> tuple[i
         return 0, None
     state = ckpt.load(folder, step)
     if state is None:
-        raise ValueError(
+        raise TrainingInputError(
             f"rank {rank} finds no checkpoint of step {step} in {folder}, which rank 0 resumes from: "
             "the nodes must share the output folder"
         )
@@ -358,15 +408,25 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     train_rows, heldout = setup.train_rows, setup.heldout
     device = torch.device(setup.plan.draft_device)
 
-    per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
+    try:
+        per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
+    except ValueError as exc:
+        raise TrainingInputError(str(exc)) from None
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
     warmup = max(1, round(cfg.warmup_ratio * total))
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
+    settings = run_settings(cfg, world)
     folder = cfg.out / "checkpoints" / run_key(cfg, world)
     start, state = resume(folder, rank, world, local)
+    if rank == 0:
+        if not start:
+            for line in other_trainings(folder, settings):
+                log(line)
+        if not (folder / RUN_SETTINGS).is_file():
+            atomic_write_text(folder / RUN_SETTINGS, json.dumps(settings, indent=2) + "\n")
     if state is not None:
         ckpt.restore(draft, state["draft"])
         optimizer.load_state_dict(state["optimizer"])
@@ -444,22 +504,34 @@ def _metrics(stats, loss, grad_norm, world: int) -> dict:
 
 @torch.no_grad()
 def simulated_acceptance(
-    source: FeatureSource, draft: Eagle3Draft, rows, steps: int, pad_id: int, batch_size: int = 8
+    source: FeatureSource,
+    draft: Eagle3Draft,
+    rows,
+    steps: int,
+    pad_id: int,
+    *,
+    batch_size: int,
+    loss_chunk: int,
 ) -> dict:
     """Per-step argmax agreement on held-out rows, and the acceptance length it implies.
 
     acc_k is measured with teacher-forced tokens; the chain survives to step k with
     probability prod_{j<=k} acc_j, so the expected accepted drafts are the sum of those
     products, and a target forward yields one token more (its own).
+
+    Give training's batch size and loss chunk: with autocast on a GPU, as in training, this then
+    holds less than a training step, which the placement planned.
     """
-    module = DraftLoss(draft, steps, 1.0, chunk=1 << 30)
+    module = DraftLoss(draft, steps, 1.0, loss_chunk)
     correct = torch.zeros(steps, dtype=torch.float64)
     count = torch.zeros(steps, dtype=torch.float64)
     device = draft.fc.weight.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i : i + batch_size], pad_id).items()}
-        target = source(batch["input_ids"], batch["attention_mask"])
-        _, stats = module(batch["input_ids"], batch["loss_mask"], target)
+        with autocast:
+            target = source(batch["input_ids"], batch["attention_mask"])
+            _, stats = module(batch["input_ids"], batch["loss_mask"], target)
         for k, (_, c, n) in enumerate(stats):
             correct[k] += float(c)
             count[k] += float(n)

@@ -1,29 +1,31 @@
-"""``eyrie accept``: the chain engine end to end, and the SGLang engine's bookkeeping against a stand-in.
-
-The stand-in (``FakeSGLang``) answers SGLang's HTTP routes the way its source says they
-answer; a real SGLang needs a GPU, which these machines do not have.
-"""
+"""``eyrie accept``: the chain engine end to end, and the SGLang engine against a test fake of its
+server (``tests/fakes/fake_sglang.py``); a real SGLang needs a GPU, which these machines do not have."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fakes.fake_sglang import FakeSGLang
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyrie_testing import eyrie
 from pipeline.run.step_contract import read_manifest
+from pipeline.steps.accept import accept as accept_module
 from pipeline.steps.accept.accept import Settings, _server_run
-from pipeline.steps.sglang import SGLangError, Speculation, gpus_released
+from pipeline.steps.generate.client import Retry
+from pipeline.steps.sglang import Speculation
 from pipeline.steps.train.export import export_draft
 from pipeline.steps.train.model import Eagle3Draft, draft_config, vocab_map
 
@@ -100,79 +102,93 @@ def test_chain_needs_one_chain_of_num_steps_plus_one(run_inputs, tmp_path):
     assert not (tmp_path / "accept.json").exists()
 
 
-class FakeSGLang:
-    """A stand-in for SGLang's HTTP server: /generate with meta_info, memory release and resume."""
-
-    def __init__(self, *, memory_saver: bool = True, meta: dict | None = None) -> None:
-        self.calls: list[str] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None: ...
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                fake.calls.append(self.path)
-                memory_routes = ("/release_memory_occupation", "/resume_memory_occupation")
-                if self.path == "/generate":
-                    answer = {"meta_info": {**(meta or {}), "prompt_tokens": len(body["input_ids"])}}
-                elif self.path in memory_routes and memory_saver:
-                    answer = {}
-                else:
-                    self.send_response(404)
-                    self.end_headers()
-                    self.wfile.write(b'{"detail":"Not Found"}')
-                    return
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-def test_the_served_target_gives_its_gpus_for_the_step_and_takes_them_back():
-    server = FakeSGLang()
-    try:
-        with gpus_released(server.url):
-            assert server.calls == ["/release_memory_occupation"]
-        assert server.calls == ["/release_memory_occupation", "/resume_memory_occupation"]
-        with gpus_released(None):
-            pass
-        assert len(server.calls) == 2
-    finally:
-        server.close()
-
-
-def test_a_server_that_cannot_release_is_one_line_naming_the_fix():
-    server = FakeSGLang(memory_saver=False)
-    try:
-        with pytest.raises(SGLangError) as info, gpus_released(server.url):
-            pytest.fail("the step must not run on GPUs the server still holds")
-        message = str(info.value)
-        assert "HTTP 404" in message and "--enable-memory-saver" in message and "\n" not in message
-    finally:
-        server.close()
-
-
-def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(tmp_path):
-    server = FakeSGLang(meta={"completion_tokens": 30, "spec_verify_ct": 12})
+def _sglang_settings(inputs: dict[str, Path], **changes) -> Settings:
     settings = Settings(
-        draft=tmp_path, target="t", data=tmp_path, engine="sglang",
-        speculation=Speculation(tmp_path, 3, 1, 4), heldout_fraction=0.1, max_length=64, prompts=4,
+        draft=inputs["draft"], target=str(inputs["target"]), data=inputs["data"], engine="sglang",
+        speculation=Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.3, max_length=64, prompts=3,
         max_new_tokens=30, concurrency=2, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=10, request_timeout_s=10,
+        startup_timeout_s=10, request_timeout_s=10, retry=Retry(base_s=0.0, cap_s=0.0),
     )  # fmt: skip
+    return dataclasses.replace(settings, **changes)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """SGLang servers the step starts, replaced by test fakes: the speculation each was started with."""
+    started: list[Speculation | None] = []
+    fake = FakeSGLang(meta={"completion_tokens": 30, "spec_verify_ct": 12})
+
+    @contextlib.contextmanager
+    def sglang_server(model, log_path, *, tp, trust_remote_code, speculation, startup_timeout_s):
+        started.append(speculation)
+        yield fake.url
+
+    monkeypatch.setattr(accept_module, "sglang_server", sglang_server)
+    yield started
+    fake.close()
+
+
+def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(tmp_path, run_inputs):
+    server = FakeSGLang(
+        meta={"completion_tokens": 30, "spec_verify_ct": 12}, failures={"/generate": [503, 502]}
+    )
     try:
-        run = _server_run(server.url, [[5, 6, 7]] * 4, settings)
+        run = _server_run(server.url, [[5, 6, 7]] * 4, _sglang_settings(run_inputs))
     finally:
         server.close()
-    assert server.calls.count("/generate") == 5  # one warm-up, then the four prompts
+    # one warm-up, then the four prompts; two answers of "not now" sent again
+    assert server.calls.count("/generate") == 5 + 2
     assert run["output_tokens"] == 120 and run["verify_forwards"] == 48 and run["accept_length"] == 2.5
+
+
+def test_accept_records_the_speculation_sglang_runs(run_inputs, served, tmp_path, capsys):
+    """With topk 1 SGLang v0.5.12 verifies num_steps + 1 tokens whatever num_draft_tokens says."""
+    settings = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 1, 4))
+    assert accept_module.accept(settings, tmp_path) == 0
+    assert served[0].num_draft_tokens == 6 and served[1] is None  # with the draft, then without
+    report = json.loads((tmp_path / "accept.json").read_text())
+    assert (report["num_steps"], report["topk"], report["num_draft_tokens"]) == (5, 1, 6)
+    assert "6 tokens verified per target forward, not --num-draft-tokens 4" in capsys.readouterr().err
+    branching = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 4, 16))
+    assert accept_module.accept(branching, tmp_path) == 0
+    assert json.loads((tmp_path / "accept.json").read_text())["num_draft_tokens"] == 16
+
+
+def test_the_draft_is_checked_strictly_before_anything_is_measured(run_inputs, served, tmp_path, capsys):
+    """SGLang would skip a tensor it does not know and leave a missing one random: a wrong folder is
+    one line and exit 2 on both engines, before any server starts."""
+    broken = tmp_path / "draft"
+    shutil.copytree(run_inputs["draft"], broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["fc.bias"] = weights.pop("fc.weight")[:, 0].contiguous()
+    save_file(weights, broken / "model.safetensors")
+    for engine in ("sglang", "chain"):
+        settings = _sglang_settings(run_inputs, draft=broken, engine=engine)
+        assert accept_module.accept(settings, tmp_path / engine) == accept_module.EXIT_BAD_INPUT
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "missing fc.weight; unexpected fc.bias" in lines[0], lines
+    assert served == []
+    other = tmp_path / "other"  # a draft made for a target of another width
+    shutil.copytree(run_inputs["draft"], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "target_hidden_size": 64}))
+    assert accept_module.accept(_sglang_settings(run_inputs, draft=other), tmp_path) == 2
+    assert "a draft for another target" in capsys.readouterr().err
+
+
+def test_a_server_that_stops_answering_fails_the_step_and_never_reads_as_bad_input(
+    run_inputs, monkeypatch, tmp_path
+):
+    fake = FakeSGLang(failures={"/generate": [503] * 20})
+
+    @contextlib.contextmanager
+    def sglang_server(*args, **kwargs):
+        yield fake.url
+
+    monkeypatch.setattr(accept_module, "sglang_server", sglang_server)
+    try:
+        assert accept_module.accept(_sglang_settings(run_inputs), tmp_path) == accept_module.EXIT_FAILED
+    finally:
+        fake.close()
+    assert fake.calls.count("/generate") == 1 + Retry().max_retries  # the warm-up, through its retries
+    assert not (tmp_path / "accept.json").exists()

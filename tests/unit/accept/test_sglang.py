@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
-import yaml
 
 from eyrie_testing import REPO
 from pipeline.steps.sglang import Speculation, server_argv
@@ -76,9 +77,60 @@ def test_a_flag_the_release_lacks_is_caught():
         parse([*argv, "--speculative-eagle-top-k", "4"])
 
 
-def test_the_compose_servers_flags(monkeypatch):
-    """compose.yaml's sglang service: what SGLang gets after the file's defaults are filled in."""
-    command = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())["services"]["sglang"]["command"]
-    argv = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(arg)) for arg in command]
-    args = parse([sys.executable, "-m", "sglang.launch_server", *argv])
-    assert args.enable_memory_saver is True and args.tp_size == 8
+def _compose_service(name: str, environ: dict[str, str] | None = None) -> dict:
+    """compose.yaml's service as compose resolves it (settings from ``environ``, else their defaults)."""
+    if shutil.which("docker") is None:
+        pytest.skip("the docker command line is not installed")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **(environ or {})}
+    result = subprocess.run(["docker", "compose", "-f", "compose/compose.yaml", "config", "--format", "json"],
+                            capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
+    if "is not a docker command" in result.stderr:
+        pytest.skip("the Compose v2 plugin is not installed")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["services"][name]
+
+
+def _served_argv(service: dict, tmp_path) -> list[str]:
+    """What the service's entrypoint runs, found by running it with a test fake ``python3`` first on
+    PATH that prints its arguments (the image's SGLang cannot run here)."""
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    # compose's config output keeps its $$ escapes; the container's shell sees single $.
+    argv = [arg.replace("$$", "$") for arg in [*service["entrypoint"], *service["command"]]]
+    env = {**service["environment"], "PATH": f"{fake.parent}:/usr/bin:/bin"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
+    return [sys.executable, *done.stdout.splitlines()]
+
+
+def test_the_compose_servers_flags(tmp_path):
+    """compose.yaml's sglang service: what SGLang gets, with the file's defaults and with settings."""
+    args = parse(_served_argv(_compose_service("sglang"), tmp_path))
+    assert args.enable_memory_saver is True and args.tp_size == 8 and args.model_path == "Qwen/Qwen3-8B"
+    # Released weights are kept in host memory, or a resumed server would compute with garbage.
+    assert args.enable_weights_cpu_backup is True and args.trust_remote_code is False
+    shell = {"EYRIE_TRUST_REMOTE_CODE": "1", "EYRIE_SGLANG_WEIGHTS_BACKUP": "0", "EYRIE_GPUS": "4"}
+    args = parse(_served_argv(_compose_service("sglang", shell), tmp_path))
+    assert args.trust_remote_code is True and args.enable_weights_cpu_backup is False and args.tp_size == 4
+    assert parse(
+        _served_argv(_compose_service("sglang", {"EYRIE_TRUST_REMOTE_CODE": "True"}), tmp_path)
+    ).trust_remote_code
+
+
+# SGLang v0.5.12 (entrypoints/http_server.py): /health_generate always runs a one-token generation;
+# /health does unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (environ.py's EnvBool).
+_GENERATING_PATHS = {"/health_generate"}
+_ENV_BOOL_FALSE = {"false", "0", "no", "n"}
+
+
+def test_the_compose_health_check_never_runs_the_model():
+    """While train or accept hold the GPUs the server's weights are unmapped: a health check that
+    generated would bring it down."""
+    service = _compose_service("sglang")
+    check = " ".join(service["healthcheck"]["test"])
+    (url,) = re.findall(r"http://localhost:30000(/\S*)", check)
+    assert url not in _GENERATING_PATHS
+    if url == "/health":
+        generation = service["environment"].get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+        assert generation.lower() in _ENV_BOOL_FALSE

@@ -101,6 +101,9 @@ def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
     assert on_gpu.step("train").command[on_gpu.step("train").command.index("--target") + 1] == model
     assert on_gpu.step("train").gpus == on_gpu.step("accept").gpus == 8
     assert on_gpu.executor_options("docker", "accept").image == "eyrie-sglang:latest"
+    # NCCL between 8 training processes and SGLang's 8 workers need more than Docker's 64 MiB /dev/shm.
+    for step in ("train", "accept"):
+        assert on_gpu.executor_options("docker", step).shm_size >= 2**30, step
     train = on_gpu.step("train").command
     assert train[train.index("--target-placement") + 1] == "auto"
     assert "--online" in on_gpu.step("prep").command

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,7 @@ class FakeContainers:
     def create(self, image: str, **options) -> FakeContainer:
         if self.create_error is not None:
             raise self.create_error
+        self.options = options
         return self.made
 
 
@@ -107,3 +109,19 @@ def test_a_container_the_engine_cannot_create_is_one_error(tmp_path):
     executor = docker_executor.DockerExecutor(client=FakeClient(create_error=refused))
     with pytest.raises(ExecutorError, match="step train: .*network eyrie_nope not found"):
         executor.start(launch(tmp_path))
+
+
+def test_the_steps_shared_memory_size_reaches_the_container(tmp_path):
+    """What the engine is asked to create (a container started for real: tests/integration/test_docker.py)."""
+    refused = docker_errors.APIError("stop here: the options are what this test reads")
+    client = FakeClient(start_error=refused)
+    executor = docker_executor.DockerExecutor(client=client)
+    options = docker_executor.DockerOptions.model_validate(
+        {"image": "eyrie-pipeline:test", "shm_size": "16GiB"}
+    )
+    with pytest.raises(ExecutorError):
+        executor.start(replace(launch(tmp_path), options=options))
+    assert client.containers.options["shm_size"] == 16 * 2**30
+    with pytest.raises(ExecutorError):
+        executor.start(launch(tmp_path))
+    assert client.containers.options["shm_size"] is None  # Docker's default

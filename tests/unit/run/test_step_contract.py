@@ -72,3 +72,32 @@ def test_a_file_written_over_another_is_swapped_in_so_its_name_never_goes_missin
         tmp.write_text("new")
     assert there == ["old"]
     assert target.read_text() == "new"
+
+
+def test_a_folder_is_on_disk_whole_before_its_name_says_complete(tmp_path, monkeypatch):
+    """After a power loss a renamed folder must not hold a torn file: every file in it and the folder
+    itself are fsynced before the rename, and the parent (which holds the new name) after it."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(step_contract.os, "fsync", fsync)
+    monkeypatch.setattr(step_contract.os, "replace", replace)
+    final = tmp_path / "step-00000100"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        (tmp / "nested").mkdir()
+        (tmp / "state.pt").write_bytes(b"weights")
+        (tmp / "nested" / "meta.json").write_text("{}")
+    renamed = events.index(("rename", str(final)))
+    before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert before == {str(tmp / "state.pt"), str(tmp / "nested" / "meta.json"), str(tmp / "nested"), str(tmp)}
+    assert events[renamed + 1 :] == [("fsync", str(tmp_path))]
+    assert (final / "state.pt").read_bytes() == b"weights"

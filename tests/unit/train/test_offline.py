@@ -18,9 +18,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.run.step_contract import check_manifest, read_manifest
 from pipeline.steps.train import offline
+from pipeline.steps.train import train as train_module
 from pipeline.steps.train.data import Example
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.offline import FeatureShards, is_complete, row_digest, write_features
+from pipeline.steps.train.offline import (
+    FeaturesError,
+    FeatureShards,
+    is_complete,
+    pending_pass,
+    row_digest,
+    write_features,
+)
+from pipeline.steps.train.placement import HEADROOM, Device, PlacementError
+from pipeline.steps.train.train import TrainConfig, features_pass, prepare
 
 HIDDEN = 32
 LAYERS = [1, 3, 4]
@@ -56,7 +66,7 @@ def _rows(count: int) -> list[Example]:
 
 
 def _write(hidden, rows, folder, log=lambda _: None):
-    write_features(hidden, rows, folder, LAYERS, HIDDEN, torch.float32, 2, 0, log)
+    write_features(hidden, pending_pass(rows, folder, HIDDEN, torch.float32), LAYERS, 2, 0, log)
 
 
 def test_a_pass_stopped_midway_resumes_with_the_shards_it_wrote(source, tmp_path, monkeypatch):
@@ -186,3 +196,60 @@ def test_offline_is_one_pipeline_step(target_dir, tmp_path):
     assert f"features pass: complete in {features}" in two.stdout
     report = json.loads((ddp / "eval.json").read_text())
     assert report["world_size"] == 2 and report["target_placement"]["placement"] == "offline"
+
+
+@pytest.fixture
+def wide_run(tmp_path):
+    """Settings of an offline training whose target (16 layers) outweighs what training holds beside it
+    (the draft and the lm_head), and a device with room for the latter only."""
+    target = tmp_path / "wide-target"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(target)
+    generator = torch.Generator().manual_seed(2)
+    rows = {"input_ids": [], "loss_mask": []}
+    for i in range(12):
+        n = 20 + i % 5
+        rows["input_ids"].append(torch.randint(2, 128, (n,), generator=generator).tolist())
+        rows["loss_mask"].append([0] * 6 + [1] * (n - 6))
+    (tmp_path / "shards").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "shards" / "shard-00000.parquet")
+    cfg = TrainConfig(
+        data=tmp_path / "shards", target=target, out=tmp_path / "out", target_placement="offline",
+        draft_vocab_size=64, ttt_steps=2, batch_size=2, max_length=32, threads=1, heldout_fraction=0.1,
+    )  # fmt: skip
+    whole = prepare(cfg, 1, [Device("cpu", 1 << 40)])
+    training = whole.plan.shares[0].planned
+    target_alone = sum(share.planned for share in whole.plan.features.shares)
+    assert target_alone > 1.2 * training, (target_alone, training)
+    return cfg, whole, Device("cpu", int(training / (1 - HEADROOM)) + 1024)
+
+
+def test_workers_plan_what_they_hold_once_the_launcher_wrote_the_features(wide_run):
+    """--nproc > 1: each worker measures only its own device, which cannot hold the target; the
+    pass ran before, in the launching process, over every device: the workers must not plan it again."""
+    cfg, whole, own_device = wide_run
+    with pytest.raises(PlacementError):  # the device cannot hold the target: the pass needs them all
+        prepare(cfg, 1, [own_device])
+    features_pass(cfg, whole, lambda _: None)
+    worker = prepare(cfg, 2, [own_device])
+    assert worker.plan.placement == "offline" and worker.plan.features is None
+    assert worker.plan.reason == "the target's features are on disk; training holds its lm_head"
+    assert worker.plan.shares[0].modules == ["lm_head"]
+
+
+def test_the_features_pass_checks_the_disk_before_it_loads_the_target(wide_run, monkeypatch):
+    cfg, whole, _ = wide_run
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(offline.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+
+    def load(*args):
+        raise AssertionError("the target was loaded before the disk was checked")
+
+    monkeypatch.setattr(train_module, "_load", load)
+    with pytest.raises(FeaturesError, match=r"^offline features need .* which has 4\.00 KiB free"):
+        features_pass(cfg, whole, lambda _: None)

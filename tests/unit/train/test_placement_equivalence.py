@@ -28,6 +28,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from pipeline.steps.train import train as train_module
 from pipeline.steps.train.cli import placement_for_launch
 from pipeline.steps.train.features import LOGITS_CHUNK
 from pipeline.steps.train.placement import HEADROOM, Device, target_units
@@ -124,10 +125,22 @@ def test_replicated_sharded_and_offline_train_the_same_draft(tmp_path, shards, k
             torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-6, msg=f"{placement}: {name}")
 
 
-def test_auto_with_several_processes_trains_sharded_in_one_when_no_device_holds_the_target(tmp_path, shards):
+def test_auto_with_several_processes_trains_sharded_in_one_when_no_device_holds_the_target(
+    tmp_path, shards, monkeypatch
+):
     cfg = _settings(shards, _target(tmp_path, "dense"), tmp_path / "out", "auto")
     cfg = cfg.model_copy(update={"nproc": 2})
-    launched = placement_for_launch(cfg, _two_devices(cfg))
+    devices = _two_devices(cfg)
+
+    def in_the_launcher(*args, **kwargs):
+        raise AssertionError(
+            "the launcher, which outlives the workers, must not hold the rows or CUDA contexts"
+        )
+
+    # The plan is made in a child process of its own: what it loads goes with it.
+    monkeypatch.setattr(train_module, "prepare", in_the_launcher)
+    monkeypatch.setattr(train_module, "load_shards", in_the_launcher)
+    launched = placement_for_launch(cfg, devices)
     assert (launched.nproc, launched.target_placement) == (1, "sharded")
     # one device that holds it: every rank holds a copy, as asked
     assert placement_for_launch(cfg, [Device("cpu", 1 << 40)]) == cfg

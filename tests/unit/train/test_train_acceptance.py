@@ -22,7 +22,9 @@ def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict
     target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
     assert len(heldout) >= 8, "too few held-out rows to measure anything"
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
-    simulated = simulated_acceptance(source, draft, heldout, cfg.ttt_steps, pad_id=0)
+    simulated = simulated_acceptance(
+        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk
+    )
     real = real_acceptance(
         target, draft, heldout[:prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
     )

@@ -168,3 +168,38 @@ def test_an_unknown_placement_is_one_line_naming_the_choices(inputs):
     )
     with pytest.raises(SettingsError, match=r"^--target-placement offline runs on one node \(--nnodes 1\)"):
         check_inputs(TrainConfig(**inputs, target_placement="offline", nnodes=2))
+
+
+def test_an_internal_error_is_a_failure_with_its_traceback_never_a_bad_input_line(
+    tmp_path, inputs, monkeypatch
+):
+    """Only the step's own error types are bad input (exit 2, no resume offered): a ValueError from a
+    bug propagates, and the launcher offers a resume."""
+    resolved = tmp_path / "train_config.json"
+    resolved.write_text(TrainConfig(**inputs, out=tmp_path).model_dump_json())
+
+    def buggy(cfg):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cli, "worker", buggy)
+    with pytest.raises(ValueError, match="a bug"):
+        worker_main(resolved)
+
+
+def test_a_target_server_that_does_not_answer_fails_the_step_and_is_no_settings_problem(
+    tmp_path, inputs, monkeypatch, capsys
+):
+    from fakes.fake_sglang import FakeSGLang
+
+    from pipeline.steps import sglang
+
+    monkeypatch.setattr(sglang.time, "sleep", lambda seconds: None)
+    monkeypatch.setenv("EYRIE_STEP_DIR", str(tmp_path / "step"))
+    server = FakeSGLang(failures={"/server_info": [503] * 20})
+    try:
+        code = cli.train_command(None, **inputs, release_target=server.url)
+    finally:
+        server.close()
+    assert code == cli.EXIT_FAILED
+    assert server.calls.count("/server_info") == 1 + sglang.Retry().max_retries
+    assert "a rerun tries again" in capsys.readouterr().err

@@ -217,10 +217,32 @@ def test_fp32_draft_is_evaluated_on_a_bf16_target():
     torch.manual_seed(6)
     rows = [Example(torch.randint(2, 96, (16,)).tolist(), [0] * 6 + [1] * 10, "") for _ in range(3)]
     source = OnlineTarget(target, [0, 2, 3], draft.d2t, draft.t2d)
-    simulated = simulated_acceptance(source, draft, rows, 3, pad_id=0)
+    simulated = simulated_acceptance(source, draft, rows, 3, 0, batch_size=2, loss_chunk=8)
     assert len(simulated["acc"]) == 3 and simulated["acceptance_length"] >= 1.0
     real = real_acceptance(target, draft, rows, 3, max_new_tokens=8, eos_ids={1})
     assert real["verify_forwards"] > 0
+
+
+def test_simulated_acceptance_holds_what_a_training_step_holds(monkeypatch):
+    """After training, held-out rows go through in training's batches and its loss chunks: the
+    placement planned that much (the logits of a whole batch at once could run out of memory after
+    a training that fit)."""
+    target = _tiny_target()
+    draft = _draft_for(target)
+    torch.manual_seed(6)
+    rows = [Example(torch.randint(2, 96, (16,)).tolist(), [0] * 6 + [1] * 10, "") for _ in range(7)]
+    source = OnlineTarget(target, [0, 2, 3], draft.d2t, draft.t2d)
+    batches, positions = [], []
+    draft.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+
+    def counted(input_ids, attention_mask):
+        batches.append(input_ids.shape[0])
+        return source(input_ids, attention_mask)
+
+    chunked = simulated_acceptance(counted, draft, rows, 3, 0, batch_size=3, loss_chunk=5)
+    assert batches == [3, 3, 1] and max(positions) <= 5
+    whole = simulated_acceptance(source, draft, rows, 3, 0, batch_size=7, loss_chunk=1 << 30)
+    assert chunked["acc"] == pytest.approx(whole["acc"])
 
 
 def test_decoding_stops_at_any_of_several_end_tokens():
