@@ -36,12 +36,11 @@ from pipeline.steps.prep.sources import (
     SourceResult,
     kind_of,
     part_source_id,
-    position_id,
     prepare_source,
     record_line,
-    tokenized_schema,
     unknown_roles_hint,
 )
+from pipeline.steps.records import position_id, tokenized_schema
 
 PROMPTS = "prompts.jsonl"
 NATIVE = "native.jsonl"

@@ -37,12 +37,11 @@ from pipeline.steps.prep.adapters import (
     found_keys,
 )
 from pipeline.steps.prep.catalog import ID_FIELD, LOCAL_SUFFIXES, Source
+from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZED_BATCH = 1024
 ROW_BATCH = 256
-POSITION_PREFIX = "#"
-"""Starts the ``source_id`` of a row without an id of its own, before its index in the source."""
 
 
 class SourceError(RuntimeError):
@@ -115,11 +114,6 @@ def part_source_id(field: bytes, start: int) -> bytes:
     return json.dumps(position_id(start + int(field))).encode()
 
 
-def position_id(index: int) -> str:
-    """The ``source_id`` of the row at ``index`` in its source, for a row without an id of its own."""
-    return f"{POSITION_PREFIX}{index}"
-
-
 def record_line(source_id: bytes, rest: bytes) -> bytes:
     """A record as written out: ``source_id`` (a JSON string) first, then ``rest``, its other members
     as ``conversation_record`` gives them (with the closing brace, and the line's end if any)."""
@@ -185,11 +179,6 @@ def row_source_id(row: dict, source: Source, position: int) -> tuple[str, bool]:
     return position_id(position), True
 
 
-def record_id(source_name: str, content: str) -> str:
-    """A record's ``id``: a stable hash of its source and its content."""
-    return hashlib.sha256(f"{source_name}\0{content}".encode()).hexdigest()[:32]
-
-
 def conversation_record(conv: Conversation, source: Source, source_id: str) -> tuple[str, dict, str]:
     """``(dedup key, record, the record's members after its source_id)``: a prompt (ends before the
     answer) or, for native sources, a conversation; ``record_line`` makes the line. The id hashes the
@@ -222,11 +211,6 @@ def conversation_record(conv: Conversation, source: Source, source_id: str) -> t
     # the line reuses the canonical body instead of serializing the record a second time
     rest = f'"id": "{identifier}", "source": {json.dumps(source.name)}, {canonical[1:]}'
     return key, {"source_id": source_id, "id": identifier, "source": source.name, **body}, rest
-
-
-def tokenized_key(item: Tokenized) -> str:
-    payload = json.dumps([item.input_ids, item.loss_mask]).encode()
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
 def prepare_source(
@@ -284,7 +268,7 @@ def _run(
                         source_id, positional = row_source_id(row, source, position)
                         adapted = adapter(row, source)
                         if isinstance(adapted, Tokenized):
-                            key = tokenized_key(adapted)
+                            key = tokens_key(adapted.input_ids, adapted.loss_mask)
                         else:
                             key, _, rest = conversation_record(adapted, source, source_id)
                     except Reject as reject:
@@ -433,20 +417,3 @@ class _TokenizedWriter:
     def __exit__(self, *exc: object) -> None:
         self.flush()
         self.writer.close()
-
-
-def tokenized_schema(part: bool = False):
-    """The columns of ``native_tokenized.parquet`` (those of the tokenized shards); a part adds
-    ``key`` and ``position``."""
-    import pyarrow as pa
-
-    fields = [
-        pa.field("input_ids", pa.list_(pa.int32())),
-        pa.field("loss_mask", pa.list_(pa.int8())),
-        pa.field("source", pa.string()),
-        pa.field("id", pa.string()),
-        pa.field("source_id", pa.string()),
-    ]
-    if part:
-        fields += [pa.field("key", pa.string()), pa.field("position", pa.int64())]
-    return pa.schema(fields)

@@ -42,8 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.memory import parse_size, plan_workers
 from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
-from pipeline.steps.prep.adapters import Tokenized, kimi_tool_call_ids
-from pipeline.steps.prep.sources import position_id, record_id, tokenized_key, tokenized_schema
+from pipeline.steps.prep.adapters import kimi_tool_call_ids
+from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 from pipeline.steps.target import TargetError, load_tokenizer
 from pipeline.steps.tokenize.pieces import Pieces
 
@@ -667,7 +667,7 @@ def _pass_through(path: Path, vocab_size: int, max_length: int) -> Iterator[tupl
         values = [batch.column(name).to_pylist() for name in columns]
         for ids, mask, source, *origin in zip(*values, strict=True):
             if not traced:
-                content = tokenized_key(Tokenized(ids, mask))
+                content = tokens_key(ids, mask)
                 origin = [record_id(source, content), position_id(position)]
             position += 1
             if ids and max(ids) >= vocab_size:

@@ -117,6 +117,17 @@ def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tm
     assert kept["source_id"] == "#0" and len(kept["id"]) == 32
 
 
+def test_a_pretokenized_file_without_ids_gets_the_ids_prep_gives(prepped, tiny_tokenizer, tmp_path):
+    """prep and tokenize make a tokenized row's id in one place, so the same row has the same id."""
+    written = pq.read_table(prepped / "native_tokenized.parquet")
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(written.drop_columns(["id", "source_id"]), bare)
+    out = tmp_path / "tok"
+    assert tokenize(tiny_tokenizer, [], [bare], out) == 0
+    assert written.num_rows > 0
+    assert sorted(shards(out).column("id").to_pylist()) == sorted(written.column("id").to_pylist())
+
+
 def test_kimi_template_on_a_tokenizer_without_its_tokens_is_refused(prepped, tiny_tokenizer, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "tokenize", "--tokenizer", str(tiny_tokenizer),

@@ -1,0 +1,69 @@
+"""DESIGN.md's layers, read from the imports: arrows point down only, a step knows nothing about
+executors, and an executor nothing about steps."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
+
+# What each layer may import of ours, besides itself.
+ALLOWED = {
+    "memory": set(),
+    "run": {"memory"},
+    "compile": {"run", "memory"},
+    "steps": {"run", "memory"},
+    "report": {"run", "memory"},
+}
+# All a step needs of run/: the contract with whatever runs it, and where the run keeps its state.
+STEP_SIDE_OF_RUN = {"pipeline.run.step_contract", "pipeline.run.layout"}
+
+
+def imports(path: Path) -> set[str]:
+    """The modules of ours that ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.split(".")[0] == "pipeline"}
+
+
+def layer_files(layer: str) -> list[Path]:
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_a_layer_imports_only_the_layers_below_it(layer):
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in layer_files(layer)
+        for name in sorted(imports(path))
+        if name.split(".")[1:2] and name.split(".")[1] not in ALLOWED[layer] | {layer}
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_steps_know_nothing_about_executors():
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in layer_files("steps")
+        for name in sorted(imports(path))
+        if name.startswith("pipeline.run") and name not in STEP_SIDE_OF_RUN
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The checks above pass only because the imports are right, not because they read nothing."""
+    fake = tmp_path / "pipeline"
+    (fake / "memory").mkdir(parents=True)
+    (fake / "memory" / "bad.py").write_text("def f():\n    from pipeline.run.ledger import Ledger\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    with pytest.raises(AssertionError, match="pipeline/memory/bad.py imports pipeline.run.ledger"):
+        test_a_layer_imports_only_the_layers_below_it("memory")
