@@ -206,12 +206,9 @@ def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float],
         top = max(top, budget)
     ticks = byte_ticks(top)
     y = Scale(0, ticks[-1], box[1], box[0])
-    title = (
-        "Steps: each band is what an attempt held of the budget (its limit, or a compile job's "
-        "reservation), filled by the memory its cgroup was charged"
-    )
+    title = "Steps: each band is what an attempt held, filled by the memory its cgroup was charged"
     if budget and not budget_shown:
-        title += f" (the budget, {byte_label(budget)}, is far above)"
+        title += f" (budget {byte_label(budget)}, far above)"
     parts = [_title(title, box[0] - 9), y_axis(y, ticks, LEFT, WIDTH - RIGHT)]
     base = [0] * len(reserved)
     for track in tracks:

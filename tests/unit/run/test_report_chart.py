@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eyrie_testing import chart_pixels, check_run_chart, eyrie, screenshot
+from eyrie_testing import chart_pixels, check_run_chart, eyrie, overflowing_text, screenshot
 from pipeline.memory import parse_size
 from pipeline.report.chart import (
     CRASH_COLOR,
@@ -147,6 +147,22 @@ def test_a_build_s_bands_follow_each_job_s_reservation_and_never_cross_the_budge
     eyrie("report", "--run-dir", str(tmp_path), check=True)
     top, budget = _stack_top_and_budget((tmp_path / "report.html").read_text())
     assert top < budget
+
+
+def test_every_title_of_the_chart_fits_its_width_even_with_the_budget_far_above(tmp_path):
+    _build_ledger(tmp_path)
+    ledger = sqlite3.connect(tmp_path / LEDGER_NAME)
+    ledger.execute("UPDATE runs SET budget_bytes = ?", (1023 * GIB,))  # far above the 3 GiB of bands
+    ledger.commit()
+    ledger.close()
+    eyrie("report", "--run-dir", str(tmp_path), check=True)
+    page = tmp_path / "report.html"
+    assert "far above" in page.read_text()
+    assert overflowing_text(page) == []
+    # The check sees a title cut off at the chart's right edge.
+    longer = page.with_name("longer.html")
+    longer.write_text(page.read_text().replace("Attempts, coloured by verdict", "Attempts " * 40, 1))
+    assert any(text.startswith("Attempts Attempts") for text in overflowing_text(longer))
 
 
 def test_follow_counts_a_running_job_s_current_reservation(tmp_path):
