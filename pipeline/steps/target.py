@@ -14,6 +14,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,54 +84,105 @@ def target_config(target: str | Path, *, trust_remote_code: bool, option: str = 
         raise TargetError(_reason(exc, target, option)) from None
 
 
-def _dequantized_when_loaded(target: str | Path, trust_remote_code: bool) -> dict[str, Any]:
-    """Loading arguments for a compressed-tensors checkpoint: its weights dequantized as they load.
+def language_config(config: Any) -> Any:
+    """The language model's config: a vision-language wrapper's ``text_config`` (Kimi-K2.5 ships
+    as ``KimiK25ForConditionalGeneration``), or the config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
 
-    transformers otherwise keeps them compressed until the first call of the whole model, which
-    a step that runs the inner model for features never makes (the layers would find no weight).
-    The dense weights take the full size of ``dtype``: plan the target's memory on that.
+
+@dataclass
+class LanguageModel:
+    """The target's language model with its parameters on the meta device, held as it will be loaded."""
+
+    model: Any
+    prefix: str
+    """What the checkpoint's names carry before the model's own (``language_model.`` in a wrapper)."""
+    left_out: int
+    """Bytes of the wrapper's other modules (a vision tower and its projector): never loaded."""
+    holding: Any
+    """How its weights are held (:class:`pipeline.steps.quantized.Holding`)."""
+
+
+def language_model(
+    config: Any, dtype: Any, *, trust_remote_code: bool, device_type: str = "cpu", dequantize: bool = False
+) -> LanguageModel:
+    """The target's causal language model on the meta device (buffers real), with its quantized
+    modules held as stored (:mod:`pipeline.steps.quantized`) unless ``dequantize``.
+
+    A wrapper's language model is its own remote code's ``language_model`` under
+    ``--trust-remote-code``, else transformers' class for its ``text_config`` (for Kimi-K2.5:
+    DeepSeek-V3); either way its names are the checkpoint's after ``language_model.``.
     """
-    config = target_config(target, trust_remote_code=trust_remote_code)
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method != "compressed-tensors":
-        return {}
-    from transformers import CompressedTensorsConfig
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    from pipeline.steps.quantized import Holding, hold_packed, holding
+
+    text = language_config(config)
+    with init_empty_weights(include_buffers=False), _quiet_transformers():
+        if text is config:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            prefix, left_out = "", 0
+        else:
+            loader = AutoModelForCausalLM if trust_remote_code else AutoModel
+            wrapper = loader.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            inner = getattr(wrapper, "language_model", None)
+            ships_lm = trust_remote_code and inner is not None and inner.get_output_embeddings() is not None
+            model = inner if ships_lm else AutoModelForCausalLM.from_config(text, dtype=dtype)
+            prefix = "language_model."
+            left_out = sum(
+                p.numel() * p.element_size()
+                for name, p in wrapper.named_parameters()
+                if "language_model" not in name and not name.startswith("lm_head")
+            )
+    model.tie_weights()  # the empty-weights context replaced the tied parameters with copies
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = Holding("dense") if dequantize else holding(config, device_type, dense)
+    if held.kind == "packed":
+        scale = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        hold_packed(model, config, prefix, scale_dtype=scale)
+    return LanguageModel(model.requires_grad_(False), prefix, left_out, held)
 
 
 def load_model(
     target: str | Path, *, dtype: Any, trust_remote_code: bool, option: str = "--target",
-    device_map: dict[str, str] | None = None,
+    device_map: dict[str, str] | None = None, dequantize: bool = False,
 ):  # fmt: skip
-    """The target as a causal LM (weights from its folder, or the hub's cache).
+    """The target's causal language model (weights from its folder, or the hub's cache).
 
-    With a ``device_map`` each module loads straight onto its device (transformers dispatches a
-    map over several devices with accelerate's hooks, which move activations between them).
+    With a ``device_map`` each module loads straight onto its device (several devices are joined by
+    accelerate's hooks, which move activations between them). A quantized target is held as stored
+    (packed experts stay packed) unless ``dequantize``; a vision-language wrapper gives its language
+    model, and its vision tower is never loaded.
     """
     from transformers import AutoModelForCausalLM
 
+    from pipeline.steps.quantized import HeldFormatError, load_held, quantization_of
+
+    config = target_config(target, trust_remote_code=trust_remote_code, option=option)
+    devices = set((device_map or {}).values())
+    device_type = "cuda" if any(str(d).startswith("cuda") for d in devices) else "cpu"
     try:
+        lm = language_model(
+            config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize
+        )
+        wrapped = language_config(config) is not config
+        if wrapped or lm.holding.kind == "packed" or (dequantize and quantization_of(config)):
+            default = next(iter(devices), "cpu")
+            return load_held(lm.model, model_folder(target), lm.prefix, dtype, device_map, config, default)
         # An explicit False: transformers then refuses custom code instead of asking on stdin.
         with _quiet_transformers(), warnings.catch_warnings():
             # "the quantization_config from the model will be used": what is asked for.
             warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
             return AutoModelForCausalLM.from_pretrained(
-                str(target), dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map,
-                **_dequantized_when_loaded(target, trust_remote_code),
-            )  # fmt: skip
+                str(target), dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map
+            )
+    except HeldFormatError as exc:
+        raise TargetError(f"{option} {target}: {exc}") from None
     except (OSError, ValueError, ImportError) as exc:  # no model, weights unreadable, code refused
         raise TargetError(_reason(exc, target, option)) from None
-
-
-def meta_model(config: Any, dtype: Any, *, trust_remote_code: bool):
-    """The target's modules on the meta device: its shapes and names, no memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 # What the steps read of a target by file: its config and its weights with their index (the
@@ -165,33 +217,27 @@ def weights_key(target: str | Path) -> dict[str, Any]:
 def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust_remote_code: bool):
     """(lm_head on ``device``, input embedding weight on the CPU) read by name from the checkpoint's
     safetensors files: what offline training needs of the target, without loading the rest."""
-    import json
-
     import torch
-    from safetensors import safe_open
 
-    model = meta_model(config, dtype, trust_remote_code=trust_remote_code)
+    from pipeline.steps.quantized import Checkpoint
+
+    lm = language_model(config, dtype, trust_remote_code=trust_remote_code)
+    model = lm.model
     names = {module: name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     wanted = {f"{names[head]}.{p}": p for p, _ in head.named_parameters()}
     tied = head.weight is embedding.weight
     stored = {f"{names[head]}.weight": f"{names[embedding]}.weight"} if tied else {}
     embedding_name = f"{names[embedding]}.weight"
-    folder = model_folder(target)
-    index = folder / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    checkpoint = Checkpoint(model_folder(target))
     tensors = {}
     for name in [*wanted, embedding_name]:
-        key = stored.get(name, name)
-        file = folder / (files.get(key, "") if files is not None else "model.safetensors")
-        if not file.is_file():
+        key = lm.prefix + stored.get(name, name)
+        if key not in checkpoint:
             raise TargetError(
                 f"no tensor {key} in the safetensors files of {target}: offline training reads it"
             )
-        with safe_open(file, framework="pt") as f:
-            if key not in f.keys():
-                raise TargetError(f"no tensor {key} in {file}: offline training reads it")
-            tensors[name] = f.get_tensor(key).to(dtype)
+        tensors[name] = checkpoint.get(key).to(dtype)
     head = head.to_empty(device=device)
     with torch.no_grad():
         for name, param in wanted.items():

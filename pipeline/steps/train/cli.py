@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
-from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.target import TargetError, check_target, language_config, target_config
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.placement import PlacementError
 
@@ -50,10 +50,11 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     load or place, too little disk for the features): said in one line, exit 2, nothing to resume.
     Any other error is a failure, with its traceback. Imported when needed: this module stays
     light for `eyrie --help`."""
+    from pipeline.steps.quantized import HeldFormatError
     from pipeline.steps.train.offline import FeaturesError
     from pipeline.steps.train.train import TrainingInputError
 
-    return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError)
+    return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError, HeldFormatError)
 
 
 def _validation_lines(exc: ValidationError, where_of) -> str:
@@ -190,7 +191,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     except TargetError as exc:
         raise SettingsError(str(exc)) from None
     try:  # what the served draft could not run is refused before the weights load
-        check_draftable(config)
+        check_draftable(language_config(config))
     except ValueError as exc:
         raise SettingsError(f"--target {cfg.target}: {exc}") from None
     if cfg.target_placement == "offline" and cfg.nnodes > 1:
@@ -348,7 +349,9 @@ def train(
     """Train an EAGLE-3 draft on the target's features; export it for SGLang; measure acceptance."""
     raise typer.Exit(
         train_command(
-            config, **settings, trust_remote_code=trust_remote_code or None,
+            config,
+            **settings,
+            trust_remote_code=trust_remote_code or None,
             release_target=release_url(release_target),
         )  # fmt: skip
     )

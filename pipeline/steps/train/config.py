@@ -73,6 +73,8 @@ class TrainConfig(BaseModel):
     """Where the target lives: auto, replicated, sharded or offline."""
     features_dir: Path | None = None
     """Where the offline placement writes the target's features (default: OUT/features)."""
+    dequantize_target: bool = False
+    """Hold a quantized target dequantized (its dense size) instead of packed as stored."""
 
     @field_validator("max_steps", mode="before")
     @classmethod

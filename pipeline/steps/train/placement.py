@@ -15,8 +15,10 @@ free memory (``torch.cuda.mem_get_info``; without GPUs, the memory this process 
 printed, recorded in the manifest, and its device map goes to ``from_pretrained(device_map=...)``
 as is, so what is loaded is what was planned.
 
-Weights are counted at the load dtype. A quantized checkpoint is counted as its dense model: an upper
-bound on what it needs.
+Weights are counted as they are held: dense ones at the load dtype; a quantized target's packed
+weights as stored, with the scales (``pipeline/steps/quantized.py``), plus, on each device, the
+largest dense weight one of them makes while its forward runs (one expert's). A vision-language
+wrapper's language model is planned; its vision tower is never loaded, and its bytes are stated.
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ class Unit:
     activations: int
     """What its output holds on its device during the target's forward (the hidden states kept for
     the features, the teacher logits on the lm_head's device)."""
+    packed: int = 0
+    """Of ``weights``, the bytes held packed (quantized weights as stored, and their scales)."""
+    transient: int = 0
+    """The largest dense weight a packed module of it makes for its forward (one expert's)."""
+
+
+class TargetUnits(list):
+    """A target's units in forward order, with what the target holds beside them."""
+
+    left_out: int = 0
+    """Bytes of the wrapper's modules that are never loaded (a vision tower and its projector)."""
+    holding: str = "dense"
+    """``dense``, ``packed`` or ``stored``: how its weights are held."""
 
 
 @dataclass
@@ -75,10 +90,19 @@ class Share:
     weights: int = 0
     activations: int = 0
     draft: int = 0
+    packed: int = 0
+    transient: int = 0
 
     @property
     def planned(self) -> int:
-        return self.weights + self.activations + self.draft
+        return self.weights + self.activations + self.draft + self.transient
+
+    def take(self, unit: Unit) -> None:
+        self.modules.append(unit.module)
+        self.weights += unit.weights
+        self.activations += unit.activations
+        self.packed += unit.packed
+        self.transient = max(self.transient, unit.transient)
 
     @property
     def layers(self) -> list[int]:
@@ -93,6 +117,9 @@ class Plan:
     shares: list[Share]
     features: Plan | None = None
     """For ``offline``: where the target runs during its one pass over the data."""
+    left_out: int = 0
+    """Bytes of the target's modules never loaded (a wrapper's vision tower)."""
+    holding: str = "dense"
 
     @property
     def draft_device(self) -> str:
@@ -108,11 +135,20 @@ class Plan:
             parts += [m.rsplit(".", 1)[-1] for m in share.modules if not _LAYER.search(m)]
             parts += ["the draft"] if share.draft else []
             held = ", ".join(parts)
+            packed = (
+                f" ({format_size(share.packed)} packed, {format_size(share.weights - share.packed)} dense; "
+                f"largest expert dequantized {format_size(share.transient)})"
+                if share.packed
+                else ""
+            )
             lines.append(
                 f"  device {i} ({share.device.name}): {held}; planned {format_size(share.planned)} "
-                f"(weights {format_size(share.weights)}, activations {format_size(share.activations)}, "
-                f"draft {format_size(share.draft)}) of {format_size(share.device.free)} free"
+                f"(weights {format_size(share.weights)}{packed}, "
+                f"activations {format_size(share.activations)}, draft {format_size(share.draft)}) "
+                f"of {format_size(share.device.free)} free"
             )
+        if self.left_out:
+            lines.append(f"  not loaded: the vision tower and its projector ({format_size(self.left_out)})")
         if self.features is not None:
             lines += ["features pass: " + line.strip() for line in self.features.describe()[1:]]
         return lines
@@ -122,12 +158,17 @@ class Plan:
             "placement": self.placement,
             "reason": self.reason,
             "headroom_fraction": HEADROOM,
+            "target_holding": self.holding,
+            "left_out_bytes": self.left_out,
             "devices": [
                 {
                     "device": share.device.name,
                     "free_bytes": share.device.free,
                     "planned_bytes": share.planned,
                     "weight_bytes": share.weights,
+                    "packed_bytes": share.packed,
+                    "dense_bytes": share.weights - share.packed,
+                    "transient_bytes": share.transient,
                     "activation_bytes": share.activations,
                     "draft_bytes": share.draft,
                     "layers": share.layers,
@@ -154,9 +195,11 @@ def _describe_layers(layers: list[int]) -> str:
 
 def target_units(
     config, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int,
-    trust_remote_code: bool = False,
-) -> list[Unit]:  # fmt: skip
-    """The target's modules in forward order with their bytes at ``dtype``, from the model on the meta device.
+    trust_remote_code: bool = False, device_type: str = "cpu", dequantize: bool = False,
+) -> TargetUnits:  # fmt: skip
+    """The target's modules in forward order with their bytes as held, from its language model on the
+    meta device (:func:`pipeline.steps.target.language_model`: quantized weights packed unless
+    ``dequantize``; a format that cannot be held as stored on ``device_type`` raises ``HeldFormatError``).
 
     A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
     keeps; ``logits_chunk`` positions a row of full-vocabulary logits, and the teacher over the draft
@@ -165,29 +208,43 @@ def target_units(
     import torch
     from transformers.integrations.accelerate import compute_module_sizes
 
-    from pipeline.steps.target import meta_model
+    from pipeline.steps.quantized import largest_transient, packed_bytes
+    from pipeline.steps.target import language_config, language_model
 
-    model = meta_model(config, dtype, trust_remote_code=trust_remote_code)
+    lm = language_model(
+        config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize
+    )
+    model, text = lm.model, language_config(config)
     sizes, _ = compute_module_sizes(model)
     element = torch.finfo(dtype).bits // 8
     batch_tokens = batch_size * length
-    hidden = batch_tokens * config.hidden_size * element  # one kept hidden state
+    hidden = batch_tokens * text.hidden_size * element  # one kept hidden state
+
+    def unit(name: str, child: torch.nn.Module, keeps: int) -> Unit:
+        weights = sizes.get(name, 0)
+        if lm.holding.kind == "stored":  # quantized Linear weights at the bytes the format holds them in
+            dense = sum(m.weight.numel() for m in child.modules() if isinstance(m, torch.nn.Linear))
+            weights -= int(dense * (element - lm.holding.bytes_per_weight))
+        return Unit(name, weights, keeps, packed_bytes(child), largest_transient(child, dtype))
+
     base = model.base_model_prefix
-    units = []
+    units = TargetUnits()
+    units.left_out, units.holding = lm.left_out, lm.holding.kind
     for name, child in getattr(model, base).named_children():
         module = f"{base}.{name}"
         if isinstance(child, torch.nn.ModuleList):
-            units += [Unit(f"{module}.{i}", sizes[f"{module}.{i}"], hidden) for i in range(len(child))]
+            units += [unit(f"{module}.{i}", layer, hidden) for i, layer in enumerate(child)]
         else:
-            keeps = hidden if name in ("embed_tokens", "norm") else 0
-            units.append(Unit(module, sizes.get(module, 0), keeps))
-    logits = batch_size * min(logits_chunk, length) * config.vocab_size * (element + 4)
+            units.append(unit(module, child, hidden if name in ("embed_tokens", "norm") else 0))
+    logits = batch_size * min(logits_chunk, length) * text.vocab_size * (element + 4)
     logits += batch_tokens * draft_vocab * 4
     heads = [Unit(name, sizes.get(name, 0), logits) for name, _ in model.named_children() if name != base]
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         # A tied lm_head shares the embedding's weight: it goes where the embedding goes.
-        return units[:1] + heads + units[1:]
-    return units + heads
+        units[1:1] = heads
+    else:
+        units += heads
+    return units
 
 
 def draft_activations(
@@ -248,12 +305,10 @@ def split(units: list[Unit], devices: list[Device], draft: int) -> list[Share] |
         for i, share in enumerate(shares):
             fair = left / (len(shares) - i)
             while unit is not None:
-                need = unit.weights + unit.activations
+                need = unit.weights + unit.activations + max(0, unit.transient - share.transient)
                 if share.planned + need > share.device.usable or (even and share.planned + need / 2 > fair):
                     break
-                share.modules.append(unit.module)
-                share.weights += unit.weights
-                share.activations += unit.activations
+                share.take(unit)
                 unit = next(pending, None)
             left -= share.planned
         if unit is None and shares[0].planned <= shares[0].device.usable:
@@ -276,6 +331,15 @@ def plan(
     runs in one process, over every device); once its features are on disk, training plans only
     what it holds, the draft and the lm_head, on each process's own device.
     """
+    resolved = _resolve(placement, units, devices, draft, world, features_pass)
+    resolved.left_out = getattr(units, "left_out", 0)
+    resolved.holding = getattr(units, "holding", "dense")
+    return resolved
+
+
+def _resolve(
+    placement: str, units: list[Unit], devices: list[Device], draft: int, world: int, features_pass: bool
+) -> Plan:
     target = sum(u.weights for u in units)
     gpus = devices[0].name.startswith("cuda")
     if placement == "offline":

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.run.step_contract import atomic_write_text
-from pipeline.steps.target import load_head, load_model, target_config, weights_key
+from pipeline.steps.target import language_config, load_head, load_model, target_config, weights_key
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.data import (
@@ -223,6 +223,9 @@ class Setup:
     """What training needs before the target is loaded: the same on every rank."""
 
     config: Any
+    """The target's language model's config (a vision-language wrapper's ``text_config``)."""
+    checkpoint_config: Any
+    """The target's own config, which its checkpoint is loaded by."""
     dtype: torch.dtype
     pad_id: int
     """What batches are padded with (positions outside the attention and loss masks)."""
@@ -250,7 +253,15 @@ def plan_for(
     batch_tokens = cfg.batch_size * longest
     vocab = draft.config.draft_vocab_size
     units = target_units(
-        config, dtype, cfg.batch_size, longest, vocab, LOGITS_CHUNK, trust_remote_code=cfg.trust_remote_code
+        config,
+        dtype,
+        cfg.batch_size,
+        longest,
+        vocab,
+        LOGITS_CHUNK,
+        trust_remote_code=cfg.trust_remote_code,
+        device_type="cuda" if torch.cuda.is_available() else "cpu",
+        dequantize=cfg.dequantize_target,
     )
     if draft_needs is None:
         element = torch.finfo(dtype).bits // 8
@@ -263,7 +274,8 @@ def plan_for(
 
 def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -> Setup:
     """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
-    config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    checkpoint_config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    config = language_config(checkpoint_config)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     try:
@@ -292,13 +304,31 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     # The offline pass runs once, in one process: once its features are on disk, a process plans
     # only what training holds on its own device.
     pending = cfg.target_placement == "offline" and not is_complete(features_folder(cfg, layer_ids, dtype))
-    plan = plan_for(cfg, config, draft, dtype, world, longest, devices, features_pass=pending)
-    return Setup(config, dtype, pad_id, rows, train_rows, heldout, d2t, t2d, layer_ids, draft, plan, longest)
+    plan = plan_for(cfg, checkpoint_config, draft, dtype, world, longest, devices, features_pass=pending)
+    return Setup(
+        config,
+        checkpoint_config,
+        dtype,
+        pad_id,
+        rows,
+        train_rows,
+        heldout,
+        d2t,
+        t2d,
+        layer_ids,
+        draft,
+        plan,
+        longest,
+    )
 
 
 def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
     return load_model(
-        cfg.target, dtype=dtype, trust_remote_code=cfg.trust_remote_code, device_map=plan.device_map()
+        cfg.target,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        device_map=plan.device_map(),
+        dequantize=cfg.dequantize_target,
     )
 
 
@@ -340,7 +370,7 @@ def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Bu
             raise TrainingInputError("the offline features pass is not complete: run it in one process first")
         folder = features_pass(cfg, setup, log)
         lm_head, embedding = load_head(
-            cfg.target, setup.config, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
+            cfg.target, setup.checkpoint_config, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
         )
         head = TeacherHead(lm_head, setup.d2t, setup.t2d, LOGITS_CHUNK)
         source: FeatureSource = OfflineFeatures(FeatureShards(folder), head, device)
@@ -364,7 +394,14 @@ def target_for_evaluation(cfg: TrainConfig, built: Built):
         return built.target
     setup = built.setup
     plan = plan_for(
-        cfg, setup.config, built.draft, setup.dtype, 1, setup.longest, placement="auto", draft_needs=0
+        cfg,
+        setup.checkpoint_config,
+        built.draft,
+        setup.dtype,
+        1,
+        setup.longest,
+        placement="auto",
+        draft_needs=0,
     )
     return _load(cfg, setup.dtype, plan)
 

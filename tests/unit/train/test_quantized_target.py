@@ -1,5 +1,5 @@
-"""A target stored quantized (compressed-tensors INT4, packed, as Kimi-K2.5's experts are) loads
-through transformers' quantizer and trains a draft: the ``quantized`` extra."""
+"""A target stored quantized (compressed-tensors INT4, packed, as Kimi-K2.5's experts are) is held
+packed as stored, computes what its INT4 weights give, and trains a draft: the ``quantized`` extra."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.steps.quantized import PackedLinear
 from pipeline.steps.target import load_model
 from pipeline.steps.train.train import TrainConfig, train
 
@@ -63,16 +64,27 @@ def int4_target(tmp_path_factory):
     return folder, tokens, plain, quantized
 
 
-def test_packed_int4_weights_load_through_the_quantizer(int4_target):
+def test_packed_int4_weights_stay_packed_in_memory(int4_target):
     folder, tokens, plain, quantized = int4_target
     with safe_open(folder / "model.safetensors", "pt") as stored:
         assert stored.get_tensor("model.layers.0.mlp.down_proj.weight_packed").dtype == torch.int32
         assert "model.layers.0.mlp.down_proj.weight" not in stored.keys()
     target = load_model(folder, dtype=torch.float32, trust_remote_code=False)
+    down = target.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.weight_packed.dtype == torch.int32
+    assert not any(name.endswith("mlp.down_proj.weight") for name, _ in target.named_parameters())
     with torch.no_grad():
         logits = target(tokens).logits
     assert torch.allclose(logits, quantized, atol=1e-5)
     assert not torch.allclose(logits, plain, atol=1e-3)  # the INT4 weights, not the originals
+
+
+def test_dequantized_on_purpose_it_computes_the_same(int4_target):
+    folder, tokens, _, quantized = int4_target
+    target = load_model(folder, dtype=torch.float32, trust_remote_code=False, dequantize=True)
+    assert not any(isinstance(m, PackedLinear) for m in target.modules())
+    with torch.no_grad():
+        assert torch.allclose(target(tokens).logits, quantized, atol=1e-5)
 
 
 def test_a_draft_trains_against_the_quantized_target(int4_target, tmp_path):
