@@ -144,10 +144,11 @@ def worker(cfg: TrainConfig) -> int:
         "torch_threads": torch.get_num_threads(),
     }
     atomic_write_text(cfg.out / EVAL, json.dumps(report, indent=2) + "\n")
-    real_length = real["acceptance_length"] or float("nan")
+    measured = real["acceptance_length"]
+    decoded = f"{measured:.2f}" if measured else "not measured (--eval-prompts 0)"
     print(
         f"acceptance length (K={cfg.ttt_steps}): simulated {simulated['acceptance_length']:.2f}, "
-        f"speculative decoding {real_length:.2f}",
+        f"speculative decoding {decoded}",
         flush=True,
     )
     return 0

@@ -73,6 +73,7 @@ def test_offline_training_of_a_hub_id_target_keys_its_features_on_the_snapshot(t
     }  # fmt: skip
     done = subprocess.run(argv, cwd=step, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "speculative decoding not measured (--eval-prompts 0)" in done.stdout  # not "nan"
     (first,) = (step / "features").iterdir()
     # Another snapshot of the same hub id (the repository moved on) gets features of its own.
     _hub_cache(cache, tiny / "target", "b" * 40)
