@@ -50,7 +50,6 @@ from pipeline.steps.sglang import (
     sglang_server,
 )
 from pipeline.steps.target import TargetError, check_target, target_config
-from pipeline.steps.train.export import check_draft
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
@@ -112,6 +111,8 @@ def check(settings: Settings) -> None:
         target = target_config(settings.target, trust_remote_code=settings.trust_remote_code)
     except TargetError as exc:
         raise AcceptError(str(exc)) from None
+    from pipeline.steps.train.export import check_draft  # torch: imported when a draft is checked
+
     try:
         check_draft(settings.draft, target)
     except ValueError as exc:
