@@ -10,6 +10,7 @@ and none pulls in torch or transformers before it runs.
 from __future__ import annotations
 
 import importlib
+import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -58,11 +59,48 @@ class EyrieCommands(TyperGroup):
 app = typer.Typer(
     name="eyrie",
     cls=EyrieCommands,
-    help="An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The repository this package is in, when it runs from a checkout (a ``.git`` there)."""
+
+
+def version_line() -> str:
+    """``eyrie VERSION``, and the commit when this package runs from a git checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        line = f"eyrie {version('eyrie')}"
+    except PackageNotFoundError:
+        line = "eyrie (not installed)"
+    if (CHECKOUT / ".git").exists():
+        described = subprocess.run(
+            ["git", "-C", str(CHECKOUT), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if described.returncode == 0:
+            line += f" (commit {described.stdout.strip()})"
+    return line
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        print(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded."""
+
 
 RunDir = Annotated[
     Path,
