@@ -13,6 +13,7 @@ from pipeline.memory import CgroupError, format_duration, format_size
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
 from pipeline.run.orchestrator import Orchestrator, RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
+from pipeline.run.step_contract import say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
@@ -78,7 +79,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
         executor = make_executor(executor_name, spec)
         orchestrator = Orchestrator(spec, pipeline_file, run_dir, executor, ConsoleReporter(console))
     except (PipelineError, ExecutorError, CgroupError) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        say_error(str(exc))
         return 2
 
     def cancel(signum: int, _frame: object) -> None:
@@ -89,7 +90,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
     try:
         result = orchestrator.run()
     except (PipelineError, ExecutorError, CgroupError, RunDirBusy) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        say_error(str(exc))
         return 2
     finally:
         for sig, handler in previous.items():

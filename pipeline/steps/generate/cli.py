@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from pipeline.memory.units import format_duration, parse_duration
-from pipeline.run.step_contract import step_dir_from_env
+from pipeline.run.step_contract import error_lines, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
 from pipeline.steps.generate.conversation import MODES
 from pipeline.steps.options import OutDir
@@ -145,7 +145,7 @@ def generate(
             limit=limit,
         )
     except ValueError as exc:
-        console.print(f"generate: {exc}", markup=False, highlight=False)
+        console.print(error_lines(str(exc)), markup=False, highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     with contextlib.ExitStack() as stack:
         if serve is not None:
@@ -159,7 +159,7 @@ def generate(
                     )  # fmt: skip
                 )
             except ServeError as exc:
-                console.print(f"generate: {exc}", markup=False, highlight=False)
+                console.print(error_lines(str(exc)), markup=False, highlight=False)
                 raise typer.Exit(EXIT_BAD_INPUT) from None
             config.urls = [served]
             config.model = config.model or str(serve.resolve())
