@@ -40,7 +40,9 @@ def server_url(option: str, url: str) -> str:
     """``url``, checked to be an http(s) URL, or a ValueError naming ``option``: one without a
     scheme would only fail once a server's whole health timeout has passed."""
     if not re.match(r"^https?://[^/\s]+", url):
-        raise ValueError(f"{option}: {url!r} is not a server URL; write it with its scheme, e.g. http://{url}")
+        raise ValueError(
+            f"{option}: {url!r} is not a server URL; write it with its scheme, e.g. http://{url}"
+        )
     return url
 
 
