@@ -116,6 +116,32 @@ RUNS = Path("runs")
 DEFAULT_RUN_DIR = RUNS / "default"
 
 
+def eyrie_problem(args: list[str]) -> str | None:
+    """What ``eyrie ARGS`` would be refused for as its options are read (a missing or wrong option),
+    found by parsing them, not running the command; None when they parse."""
+    import contextlib
+    import io
+
+    from typer._click.exceptions import UsageError
+
+    command: TyperCommand | TyperGroup = typer.main.get_command(app)
+    words, path = list(args), ["eyrie"]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # what an option's own check says
+            while isinstance(command, TyperGroup):
+                if not words or (found := command.get_command(typer.Context(command), words[0])) is None:
+                    return f"{' '.join(path)}: no command {words[0] if words else ''!r}".replace(" ''", "")
+                command, path = found, [*path, words.pop(0)]
+            command.make_context(" ".join(path), words)
+    except UsageError as exc:
+        return f"{' '.join(path)}: {exc.format_message()}"
+    except typer.Exit as exc:
+        if exc.exit_code:
+            return f"{' '.join(path)}: {said.getvalue().strip().removeprefix('error: ')}"
+    return None
+
+
 @app.command()
 def run(
     pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
@@ -123,11 +149,19 @@ def run(
     executor: Annotated[
         str, typer.Option(help=f"Where steps run: {', '.join(EXECUTORS)} (local: a cgroup per step here).")
     ] = "local",
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Only check the file (keys, needs, each step's command and an eyrie command's options); "
+            "run nothing, write nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Run a pipeline: each step in its own memory-limited cgroup, every attempt in the ledger."""
     from pipeline.run.cli import run_command
 
-    raise typer.Exit(run_command(pipeline_file, run_dir, executor))
+    raise typer.Exit(run_command(pipeline_file, run_dir, executor, eyrie_problem if check else None))
 
 
 @app.command()

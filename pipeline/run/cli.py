@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -70,7 +71,9 @@ def make_executor(name: str, spec: PipelineSpec) -> Executor:
     return cls(spec.executor_options(name))
 
 
-def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
+def run_command(pipeline_file: Path, run_dir: Path, executor_name: str,
+                check: Callable[[list[str]], str | None] | None = None) -> int:  # fmt: skip
+    """Run the pipeline; with ``check`` (what an ``eyrie`` command's options lack), only check it."""
     console = Console(stderr=False)
     errors = Console(stderr=True)
     try:
@@ -81,6 +84,13 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
     except (PipelineError, ExecutorError, CgroupError) as exc:
         say_error(str(exc))
         return 2
+    if check is not None:
+        problems = orchestrator.check(check)
+        for problem in problems:
+            say_error(problem)
+        if not problems:
+            console.print(f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s)", highlight=False)
+        return 2 if problems else 0
 
     def cancel(signum: int, _frame: object) -> None:
         errors.print(f"[yellow]eyrie: {signal.Signals(signum).name}: stopping the running steps…[/]")

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -211,6 +212,24 @@ class Orchestrator:
         if not (self.run_dir / LEDGER_NAME).exists():
             made += [self.run_dir / (LEDGER_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
         return made
+
+    def check(self, eyrie_problem: Callable[[list[str]], str | None]) -> list[str]:
+        """What ``eyrie run --check`` finds wrong in the steps' commands, one line per problem, with
+        nothing made or run (the file's keys and its needs were checked as it was read): a variable
+        the runner cannot fill, a program not found, and, for an ``eyrie`` command, what
+        ``eyrie_problem`` says its options lack."""
+        problems = []
+        for step in self.spec.order():
+            try:
+                argv = self._expand(step)
+                if self.executor.runs_here:
+                    self._check_command(step, argv)
+            except PipelineError as exc:
+                problems.append(str(exc))
+                continue
+            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
+                problems.append(f"{self.pipeline_path}: steps ({step.name}).command: {problem}")
+        return problems
 
     def cancel(self) -> None:
         """Ask the run to stop: running attempts are stopped and recorded as cancelled."""

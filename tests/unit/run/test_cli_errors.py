@@ -134,3 +134,19 @@ def test_a_command_not_found_is_refused_before_the_run_starts(tmp_path):
     path.write_text("steps:\n  - name: a\n    command: [/no/such/tool]\n    memory: 64MiB\n")
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "'/no/such/tool': no such file" in result.stderr, result.stderr
+
+
+def test_check_names_each_steps_problem_and_writes_nothing(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "steps:\n  - name: train\n    command: [eyrie, train, prompts.jsonl]\n    memory: 64MiB\n"
+        "  - name: b\n    command: [eyrie-no-such-program]\n    memory: 64MiB\n"
+    )
+    result = eyrie("run", "--check", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: {path}: steps (train).command: eyrie train: Missing option '--data'.",
+        f"error: {path}: steps (b).command: 'eyrie-no-such-program': not found on the step's PATH; "
+        "install it, or give its full path",
+    ]
+    assert not (tmp_path / "run").exists()
