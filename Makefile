@@ -32,6 +32,8 @@ venv: $(VENV)/.installed-$(EXTRAS)
 demo: venv
 	$(EYRIE) run pipeline/embedded/demo.yaml --run-dir $(RUN_DIR)
 	$(EYRIE) status --run-dir $(RUN_DIR)
+	@echo "next: eyrie is $(EYRIE) (not on PATH): $(EYRIE) explain train --run-dir $(RUN_DIR),"
+	@echo "      or put it on PATH for this shell: source $(VENV)/bin/activate"
 
 test: venv
 	$(VENV)/bin/pytest

@@ -10,6 +10,7 @@ and none pulls in torch or transformers before it runs.
 from __future__ import annotations
 
 import importlib
+import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -58,11 +59,48 @@ class EyrieCommands(TyperGroup):
 app = typer.Typer(
     name="eyrie",
     cls=EyrieCommands,
-    help="An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The repository this package is in, when it runs from a checkout (a ``.git`` there)."""
+
+
+def version_line() -> str:
+    """``eyrie VERSION``, and the commit when this package runs from a git checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        line = f"eyrie {version('eyrie')}"
+    except PackageNotFoundError:
+        line = "eyrie (not installed)"
+    if (CHECKOUT / ".git").exists():
+        described = subprocess.run(
+            ["git", "-C", str(CHECKOUT), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if described.returncode == 0:
+            line += f" (commit {described.stdout.strip()})"
+    return line
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        print(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """An EAGLE-3 draft-model factory: run pipelines whose every memory outcome is recorded."""
+
 
 RunDir = Annotated[
     Path,
@@ -78,6 +116,32 @@ RUNS = Path("runs")
 DEFAULT_RUN_DIR = RUNS / "default"
 
 
+def eyrie_problem(args: list[str]) -> str | None:
+    """What ``eyrie ARGS`` would be refused for as its options are read (a missing or wrong option),
+    found by parsing them, not running the command; None when they parse."""
+    import contextlib
+    import io
+
+    from typer._click.exceptions import UsageError
+
+    command: TyperCommand | TyperGroup = typer.main.get_command(app)
+    words, path = list(args), ["eyrie"]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # what an option's own check says
+            while isinstance(command, TyperGroup):
+                if not words or (found := command.get_command(typer.Context(command), words[0])) is None:
+                    return f"{' '.join(path)}: no command {words[0] if words else ''!r}".replace(" ''", "")
+                command, path = found, [*path, words.pop(0)]
+            command.make_context(" ".join(path), words)
+    except UsageError as exc:
+        return f"{' '.join(path)}: {exc.format_message()}"
+    except typer.Exit as exc:
+        if exc.exit_code:
+            return f"{' '.join(path)}: {said.getvalue().strip().removeprefix('error: ')}"
+    return None
+
+
 @app.command()
 def run(
     pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
@@ -85,11 +149,19 @@ def run(
     executor: Annotated[
         str, typer.Option(help=f"Where steps run: {', '.join(EXECUTORS)} (local: a cgroup per step here).")
     ] = "local",
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Only check the file (keys, needs, each step's command and an eyrie command's options); "
+            "run nothing, write nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Run a pipeline: each step in its own memory-limited cgroup, every attempt in the ledger."""
     from pipeline.run.cli import run_command
 
-    raise typer.Exit(run_command(pipeline_file, run_dir, executor))
+    raise typer.Exit(run_command(pipeline_file, run_dir, executor, eyrie_problem if check else None))
 
 
 @app.command()

@@ -78,8 +78,6 @@ def build_flash_attn(
             raise BuildError(f"--threads {threads!r}: write auto or a positive number")
         if max_jobs is not None:  # a job takes one CPU slot per arch nvcc compiles at once
             cpu_slots = min(cpu_slots, max_jobs * min(nvcc_threads, len(arch_set)))
-        for note in notes:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
         # Probed after the options are checked: it runs nvcc and imports torch (seconds).
         tools = toolchain(python or sys.executable, cuda_home)
         src = source.resolve() if source else fetch_sdist(version, out / "src", tools.python)
@@ -90,10 +88,17 @@ def build_flash_attn(
             print(hit)
             raise typer.Exit(0)
         measured = load_profile(arch_set, nvcc_threads, profile or [])
+        notes = [f"note: {note}" for note in notes]
+
+        def log(text: str) -> None:
+            # The options' notes once the build begins: a budget the build refuses is its error alone.
+            while notes:
+                console.print(notes.pop(0), highlight=False, soft_wrap=True)
+            console.print(text, highlight=False)
+
         wheel, report = run_build(
-            plan, out=out, run_dir=run_dir or out / "runs" / plan.cache_key, profile=measured,
-            log=lambda text: console.print(text, highlight=False),
-        )  # fmt: skip
+            plan, out=out, run_dir=run_dir or out / "runs" / plan.cache_key, profile=measured, log=log
+        )
     except BuildError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)  # one line, whatever the width
         raise typer.Exit(1) from None

@@ -99,7 +99,7 @@ def _judgement(row: AttemptRow, host: HostSample | None, beside: list[tuple[Trac
         also = f" {_shared_memory(host).capitalize()} was nearly full as well." if full else ""
         return (
             f"Over its own limit: {measure} reached {of_limit}{room}; its limit stopped it, not the host. "
-            f"Raise its memory: or make it use less.{also}"
+            f"Raise its memory (the step's memory:) or make it use less.{also}"
         )
     if full:
         largest = max(beside, key=lambda b: b[1] or 0, default=None)

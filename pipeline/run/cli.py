@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +14,7 @@ from pipeline.memory import CgroupError, format_duration, format_size
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
 from pipeline.run.orchestrator import Orchestrator, RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
+from pipeline.run.step_contract import say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
@@ -69,7 +71,9 @@ def make_executor(name: str, spec: PipelineSpec) -> Executor:
     return cls(spec.executor_options(name))
 
 
-def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
+def run_command(pipeline_file: Path, run_dir: Path, executor_name: str,
+                check: Callable[[list[str]], str | None] | None = None) -> int:  # fmt: skip
+    """Run the pipeline; with ``check`` (what an ``eyrie`` command's options lack), only check it."""
     console = Console(stderr=False)
     errors = Console(stderr=True)
     try:
@@ -78,8 +82,15 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
         executor = make_executor(executor_name, spec)
         orchestrator = Orchestrator(spec, pipeline_file, run_dir, executor, ConsoleReporter(console))
     except (PipelineError, ExecutorError, CgroupError) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        say_error(str(exc))
         return 2
+    if check is not None:
+        problems = orchestrator.check(check)
+        for problem in problems:
+            say_error(problem)
+        if not problems:
+            console.print(f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s)", highlight=False)
+        return 2 if problems else 0
 
     def cancel(signum: int, _frame: object) -> None:
         errors.print(f"[yellow]eyrie: {signal.Signals(signum).name}: stopping the running steps…[/]")
@@ -89,7 +100,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str) -> int:
     try:
         result = orchestrator.run()
     except (PipelineError, ExecutorError, CgroupError, RunDirBusy) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        say_error(str(exc))
         return 2
     finally:
         for sig, handler in previous.items():

@@ -325,6 +325,7 @@ class DockerExecutor:
 
     name = "docker"
     Options = DockerOptions
+    runs_here = False
     admits_by_memory = False
     detached = False
 

@@ -164,6 +164,9 @@ class Executor(Protocol):
     name: str
     Options: type[StepOptions]
     """Its per-step options, taken from the pipeline file under its name."""
+    runs_here: bool
+    """True when a step's command runs on this host, in its filesystem (a process here, not in a
+    container or on a cluster's node): the runner then finds each command before the run starts."""
     admits_by_memory: bool
     """True when a scheduler admits attempts by their memory (Slurm): the runner then starts every
     ready step, and checks each limit only against ``memory_budget()``, not their sum."""

@@ -101,6 +101,7 @@ class LocalExecutor:
 
     name = "local"
     Options = StepOptions
+    runs_here = True
     admits_by_memory = False
     detached = False
 

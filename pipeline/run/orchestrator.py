@@ -17,12 +17,14 @@ import json
 import math
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -41,7 +43,7 @@ from pipeline.run.executor import (
 )
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
-from pipeline.run.ledger import AttemptRow, Ledger, RunState, StepState
+from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger, RunState, StepState
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.step_contract import (
     FINGERPRINT_ENV,
@@ -176,18 +178,58 @@ class Orchestrator:
         self._pool = 0
         self._steps: dict[str, _StepRun] = {}
         self._step_budgets: dict[str, Budget] = {}
+        self._started = False
+        """Whether the run began (its ledger holds it), past the checks that refuse it."""
         self._executors: dict[str, Executor] = {executor.name: executor}
         """This run's executor and those that started attempts a dead runner left, by name."""
 
     # -- public ----------------------------------------------------------------------
     def run(self) -> RunResult:
+        made = self._made_by_run()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self._lock_run_dir():
-            self._ledger = Ledger(self.run_dir)
+        try:
+            with self._lock_run_dir():
+                self._ledger = Ledger(self.run_dir)
+                try:
+                    return self._run()
+                finally:
+                    self._ledger.close()
+        except (PipelineError, ExecutorError, CgroupError):
+            if not self._started:  # refused before it began: it leaves nothing behind
+                for path in made:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            raise
+
+    def _made_by_run(self) -> list[Path]:
+        """What starting a run in ``run_dir`` creates that is not there yet: the run directory (the
+        topmost folder of it that is missing), or its ledger and state folder."""
+        if not self.run_dir.exists():
+            top = self.run_dir
+            while not top.parent.exists():
+                top = top.parent
+            return [top]
+        made = [self.run_dir / STATE_DIR] if not (self.run_dir / STATE_DIR).exists() else []
+        if not (self.run_dir / LEDGER_NAME).exists():
+            made += [self.run_dir / (LEDGER_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
+        return made
+
+    def check(self, eyrie_problem: Callable[[list[str]], str | None]) -> list[str]:
+        """What ``eyrie run --check`` finds wrong in the steps' commands, one line per problem, with
+        nothing made or run (the file's keys and its needs were checked as it was read): a variable
+        the runner cannot fill, a program not found, and, for an ``eyrie`` command, what
+        ``eyrie_problem`` says its options lack."""
+        problems = []
+        for step in self.spec.order():
             try:
-                return self._run()
-            finally:
-                self._ledger.close()
+                argv = self._expand(step)
+                if self.executor.runs_here:
+                    self._check_command(step, argv)
+            except PipelineError as exc:
+                problems.append(str(exc))
+                continue
+            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
+                problems.append(f"{self.pipeline_path}: steps ({step.name}).command: {problem}")
+        return problems
 
     def cancel(self) -> None:
         """Ask the run to stop: running attempts are stopped and recorded as cancelled."""
@@ -199,17 +241,19 @@ class Orchestrator:
         budget = self.executor.memory_budget()
         self._pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if self._pool == budget.available else "the pipeline's budget"
-        self._check_before_start(binding)
         argvs = {s.name: self._expand(s) for s in self.spec.steps}
+        self._check_before_start(binding, argvs)
         ordered = self.spec.order()
         self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
+        self._started = True
         self._ledger.start_run(
             self.run_id, str(self.pipeline_path), self.executor.name, list(self._steps), self._pool, binding,
             host_sampled=self.executor.host_memory is not None,
         )
         host = HostSampler(self._ledger, self.run_id, self.executor.host_memory).start()
+        steps = f"{len(ordered)} step" + ("s" if len(ordered) != 1 else "")
         self.reporter.note(
-            f"run {self.run_id}: {len(ordered)} steps, budget {format_size(self._pool)} (set by {binding}), "
+            f"run {self.run_id}: {steps}, budget {format_size(self._pool)} (set by {binding}), "
             f"executor {self.executor.name}"
         )
         for running in resumed:
@@ -239,9 +283,9 @@ class Orchestrator:
         self._ledger.end_run(self.run_id, run_state)
         return RunResult(self.run_id, run_state)
 
-    def _check_before_start(self, binding: str) -> None:
+    def _check_before_start(self, binding: str, argvs: dict[str, list[str]]) -> None:
         """Refuse, before anything starts, what cannot run: a limit above the pool, a missing input,
-        what the executor cannot do."""
+        a command not found, what the executor cannot do."""
         where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
             pool, by = self._step_pool(step), binding
@@ -255,6 +299,8 @@ class Orchestrator:
                 )
         for step in self.spec.steps:
             self._check_inputs(step)
+            if self.executor.runs_here:
+                self._check_command(step, argvs[step.name])
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
         self.executor.preflight(self.run_dir, options)
 
@@ -635,6 +681,24 @@ class Orchestrator:
             path = (self.pipeline_path.parent / rel).resolve()
             if not path.is_file() and not any(d in path.parents for d in upstream_dirs):
                 raise self._missing_input(step, path)
+
+    def _check_command(self, step: StepSpec, argv: list[str]) -> None:
+        """The step's program exists: on its PATH, or a path (from its directory) that exists or that
+        a step it needs is to write."""
+        program = argv[0]
+        if "/" in program:
+            path = (self.run_dir / step.name / program).resolve()
+            upstream_dirs = [self.run_dir / name for name in self.spec.upstream(step.name)]
+            found = path.exists() or any(d in path.parents for d in upstream_dirs)
+        else:
+            path = step.env.get("PATH") or self._eyrie_env(step)["PATH"]
+            found = shutil.which(program, path=path) is not None
+        if not found:
+            where = "no such file" if "/" in program else "not found on the step's PATH"
+            raise PipelineError(
+                f"{self.pipeline_path}: steps ({step.name}).command: {program!r}: {where}; install it, "
+                "or give its full path"
+            )
 
     def _fingerprint(self, step: StepSpec, argv: list[str]) -> str:
         inputs = {}

@@ -676,6 +676,7 @@ class SlurmExecutor:
 
     name = "slurm"
     Options = SlurmOptions
+    runs_here = False
     admits_by_memory = True
     detached = True
     host_memory = None  # the steps run on the nodes: nothing on this host tells their memory

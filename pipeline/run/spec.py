@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -138,6 +140,8 @@ class _Pipeline(BaseModel):
         if dupes:
             raise ValueError(f"step names must be unique; repeated: {', '.join(dupes)}")
         for step in self.steps:
+            if step.name in step.needs:
+                raise ValueError(f"step {step.name!r} needs itself")
             unknown = [n for n in step.needs if n not in names]
             if unknown:
                 raise ValueError(f"step {step.name!r} needs unknown step(s) {', '.join(unknown)}")
@@ -261,7 +265,8 @@ def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
 
 
 def load_pipeline(path: str | Path, environ: Mapping[str, str] | None = None) -> PipelineSpec:
-    """Read and validate a pipeline file; any problem is one PipelineError line naming file and key.
+    """Read and validate a pipeline file; a PipelineError holds one line per problem, naming the
+    file and the key.
 
     ``${NAME}`` and ``${NAME:-default}`` in its values are settings from ``environ`` (default:
     this process's environment).
@@ -289,11 +294,50 @@ def load_pipeline(path: str | Path, environ: Mapping[str, str] | None = None) ->
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = _location(error["loc"], raw)
-        message = error["msg"]
+        raise PipelineError("\n".join(_problems(exc, raw, path))) from None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds, alone, in a list or beside ``None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        if (model := _model_in(argument)) is not None:
+            return model
+    return None
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the block at ``loc`` (the top level, a step, an executor's block) may hold."""
+    model: type[BaseModel] | None = PipelineSpec
+    for item in loc:
+        if isinstance(item, str) and model is not None:
+            field = model.model_fields.get(item)
+            model = _model_in(field.annotation) if field else None
+    return list(model.model_fields) if model else []
+
+
+def _problems(exc: ValidationError, raw: dict, path: Path) -> list[str]:
+    """One line per problem, naming the file and the key; an unknown key with the valid one it is
+    nearest (the misspelled required key then is not said missing too)."""
+    suggested: set[tuple[Any, ...]] = set()
+    unknown: dict[tuple[Any, ...], str] = {}
+    for error in exc.errors():
         if error["type"] == "extra_forbidden":
-            message = "unknown key (check its spelling against the step fields in the README)"
-        message = re.sub(r"^Value error, ", "", message)
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise PipelineError(f"{path}: {where}: {message}{more}") from None
+            loc, known = error["loc"], _keys_at(error["loc"][:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            if close:
+                suggested.add((*loc[:-1], close[0]))
+                unknown[loc] = f"unknown key; did you mean {close[0]!r}?"
+            else:
+                unknown[loc] = f"unknown key (known: {', '.join(known)})"
+    lines = []
+    for error in exc.errors():
+        loc = error["loc"]
+        if error["type"] == "missing" and loc in suggested:
+            continue
+        message = unknown.get(loc) or re.sub(r"^Value error, ", "", error["msg"])
+        if error["type"] == "missing":
+            message = "required key missing"
+        lines.append(f"{path}: {_location(loc, raw)}: {message}")
+    return lines

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,6 +222,16 @@ def declare_outputs(outputs: list[str | os.PathLike[str]]) -> Manifest:
             raise FileNotFoundError(f"{output}: no such file or folder in {step_dir}; write it first")
         names.append(str(path.relative_to(step_dir)))
     return write_manifest(step_dir, names)
+
+
+def error_lines(message: str) -> str:
+    """``message`` as every eyrie command says an error: each of its lines after ``error:``."""
+    return "\n".join(f"error: {line}" for line in message.splitlines() or [""])
+
+
+def say_error(message: str) -> None:
+    """Print ``message`` on stderr as an error (``error_lines``)."""
+    print(error_lines(message), file=sys.stderr, flush=True)
 
 
 def manifest_command(outputs: list[Path]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -21,6 +22,9 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from pipeline.memory.units import parse_duration
+from pipeline.run.step_contract import say_error
+
 # A permission, not a setting of what is computed: a pipeline grants it through the environment.
 TrustRemoteCode = Annotated[
     bool,
@@ -30,9 +34,43 @@ TrustRemoteCode = Annotated[
         help="Run the code the target ships (auto_map in its config; Kimi-K2 needs it).",
     ),
 ]
+
+
+def server_url(option: str, url: str) -> str:
+    """``url``, checked to be an http(s) URL, or a ValueError naming ``option``: one without a
+    scheme would only fail once a server's whole health timeout has passed."""
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError(
+            f"{option}: {url!r} is not a server URL; write it with its scheme, e.g. http://{url}"
+        )
+    return url
+
+
+def duration_option(option: str, text: str) -> float:
+    """Seconds of the duration ``text`` given as ``option``, or a ValueError naming the option."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
+def _release_target(value: str) -> str:
+    """``--release-target`` refused at once, in one line, when it is neither ``no`` nor a URL."""
+    if value.strip().lower() not in ("", "no", "none"):
+        try:
+            server_url("--release-target", value)
+        except ValueError as exc:
+            say_error(str(exc))
+            raise typer.Exit(2) from None
+    return value
+
+
 ReleaseTarget = Annotated[
     str,
-    typer.Option(help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'."),
+    typer.Option(
+        help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'.",
+        callback=_release_target,
+    ),
 ]
 OutDir = Annotated[
     Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pipeline.run.layout import STATE_DIR
 from pipeline.run.step_contract import RUN_DIR_ENV, STEP_NAME_ENV, atomic_write_text
-from pipeline.steps.generate.client import TRANSIENT_STATUS, Retry
+from pipeline.steps.generate.config import TRANSIENT_STATUS, Retry
 from pipeline.steps.generate.serve import free_port, running_server
 
 

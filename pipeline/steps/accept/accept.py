@@ -37,7 +37,7 @@ from typing import Literal
 
 from rich.console import Console
 
-from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_write_text, say_error, step_dir_from_env, write_manifest
 from pipeline.steps.generate.config import Retry
 from pipeline.steps.generate.serve import ServeError
 from pipeline.steps.sglang import (
@@ -50,7 +50,6 @@ from pipeline.steps.sglang import (
     sglang_server,
 )
 from pipeline.steps.target import TargetError, check_target, target_config
-from pipeline.steps.train.export import check_draft
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
@@ -112,6 +111,8 @@ def check(settings: Settings) -> None:
         target = target_config(settings.target, trust_remote_code=settings.trust_remote_code)
     except TargetError as exc:
         raise AcceptError(str(exc)) from None
+    from pipeline.steps.train.export import check_draft  # torch: imported when a draft is checked
+
     try:
         check_draft(settings.draft, target)
     except ValueError as exc:
@@ -226,7 +227,7 @@ def accept(settings: Settings, out_dir: Path | None = None) -> int:
         check(settings)
         prompts = heldout_prompts(settings)
     except AcceptError as exc:
-        _say(str(exc))
+        say_error(str(exc))
         return EXIT_BAD_INPUT
     served = settings.speculation.as_served()
     if served != settings.speculation:
@@ -242,13 +243,13 @@ def accept(settings: Settings, out_dir: Path | None = None) -> int:
         else:
             speculative, baseline = measure_chain(settings, prompts)
     except (TargetError, SGLangRefused) as exc:
-        _say(str(exc))
+        say_error(str(exc))
         return EXIT_BAD_INPUT
     except (SGLangUnavailable, ServeError, DecodingMismatch) as exc:
-        _say(str(exc))
+        say_error(str(exc))
         return EXIT_FAILED
     except Terminated as exc:
-        _say(str(exc))
+        say_error(str(exc))
         return 128 + exc.signum
     spec = settings.speculation
     result = {

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from pipeline.steps.accept.accept import ENGINES
-from pipeline.steps.options import ReleaseTarget, TrustRemoteCode
+from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, duration_option
 from pipeline.steps.train.config import TrainConfig
 
 TRAINED = TrainConfig.model_fields
@@ -44,17 +44,23 @@ def accept(
     ] = None,
 ) -> None:
     """Accept length and output tokens/s of the draft, against the same decoder without it."""
-    from pipeline.memory.units import parse_duration
-    from pipeline.steps.accept.accept import Settings
+    from pipeline.run.step_contract import say_error
+    from pipeline.steps.accept.accept import EXIT_BAD_INPUT, Settings
     from pipeline.steps.accept.accept import accept as run_accept
     from pipeline.steps.sglang import Speculation, release_url
 
+    try:
+        startup_timeout_s = duration_option("--startup-timeout", startup_timeout)
+        request_timeout_s = duration_option("--request-timeout", request_timeout)
+    except ValueError as exc:
+        say_error(str(exc))
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     settings = Settings(
         draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]
         speculation=Speculation(draft, num_steps, topk, num_draft_tokens),
         heldout_fraction=heldout_fraction, max_length=max_length, prompts=prompts,
         max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
         trust_remote_code=trust_remote_code, release_target=release_url(release_target),
-        startup_timeout_s=parse_duration(startup_timeout), request_timeout_s=parse_duration(request_timeout),
+        startup_timeout_s=startup_timeout_s, request_timeout_s=request_timeout_s,
     )  # fmt: skip
     raise typer.Exit(run_accept(settings, out_dir))

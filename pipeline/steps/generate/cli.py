@@ -11,11 +11,11 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.memory.units import format_duration, parse_duration
-from pipeline.run.step_contract import step_dir_from_env
+from pipeline.memory.units import format_duration
+from pipeline.run.step_contract import error_lines, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
 from pipeline.steps.generate.conversation import MODES
-from pipeline.steps.options import OutDir
+from pipeline.steps.options import OutDir, duration_option, server_url
 
 TARGET_URL_ENV = "EYRIE_TARGET_URL"
 
@@ -109,6 +109,7 @@ def generate(
         if not urls and not serve and os.environ.get(TARGET_URL_ENV):
             # The compose file's pipeline service names the SGLang server for every step.
             urls = os.environ[TARGET_URL_ENV].split(",")
+        urls = [server_url(f"${TARGET_URL_ENV}" if not url else "--url", u) for u in urls]
         if bool(urls) == bool(serve):
             raise ValueError(
                 f"give the server with --url or ${TARGET_URL_ENV}, or a model folder with --serve"
@@ -136,8 +137,8 @@ def generate(
             drop_truncated=drop_truncated,
             retry_errors=retry_errors,
             restart=restart,
-            request_timeout_s=parse_duration(request_timeout),
-            health_timeout_s=parse_duration(health_timeout),
+            request_timeout_s=duration_option("--request-timeout", request_timeout),
+            health_timeout_s=duration_option("--health-timeout", health_timeout),
             retry=Retry(max_retries=max_retries, base_s=retry_base),
             max_error_rate=max_error_rate,
             error_window=error_window,
@@ -145,7 +146,7 @@ def generate(
             limit=limit,
         )
     except ValueError as exc:
-        console.print(f"generate: {exc}", markup=False, highlight=False)
+        console.print(error_lines(str(exc)), markup=False, highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     with contextlib.ExitStack() as stack:
         if serve is not None:
@@ -159,7 +160,7 @@ def generate(
                     )  # fmt: skip
                 )
             except ServeError as exc:
-                console.print(f"generate: {exc}", markup=False, highlight=False)
+                console.print(error_lines(str(exc)), markup=False, highlight=False)
                 raise typer.Exit(EXIT_BAD_INPUT) from None
             config.urls = [served]
             config.model = config.model or str(serve.resolve())

@@ -35,10 +35,9 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.steps.generate.config import Retry
+from pipeline.steps.generate.config import TRANSIENT_STATUS, Retry
 from pipeline.steps.generate.json_text import loads
 
-TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 CHAT_PATH = "/v1/chat/completions"
 # A probe of /health (SGLang, transformers serve) that takes longer than this counts as no answer.
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10)

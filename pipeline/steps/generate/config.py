@@ -26,6 +26,10 @@ class Sampling:
         return self.temperature == 0 or self.seed is not None
 
 
+# HTTP statuses a later attempt of the same request may not get.
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
 @dataclass
 class Retry:
     max_retries: int = 6

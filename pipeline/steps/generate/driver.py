@@ -45,7 +45,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.step_contract import MANIFEST_NAME, atomic_path, fsync_dir, write_manifest
+from pipeline.run.step_contract import MANIFEST_NAME, atomic_path, error_lines, fsync_dir, write_manifest
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,
@@ -160,7 +160,7 @@ def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple
     earlier = [out / name for name in names if (out / name).exists()]
     if earlier and previous != settings and not config.restart:
         raise GenerateError(
-            f"generate: the rows in {out} were made with other settings "
+            f"the rows in {out} were made with other settings "
             f"({_settings_diff(previous, settings)}); rerun with the same settings to resume them, "
             "or add --restart (in a pipeline file's run: EYRIE_GENERATE_RESTART=1, once) to move them "
             "aside and start over"
@@ -572,11 +572,11 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
             await client.wait_healthy(config.health_timeout_s)
             model = config.model or await client.first_model()
         except HealthTimeout as exc:
-            raise GenerateError(f"generate: {exc}", EXIT_SERVERS_DEAD) from None
+            raise GenerateError(f"{exc}", EXIT_SERVERS_DEAD) from None
         except AuthError as exc:
-            raise GenerateError(f"generate: {exc}") from None
+            raise GenerateError(f"{exc}") from None
         except PermanentError as exc:
-            raise GenerateError(f"generate: {exc.reason}") from None
+            raise GenerateError(f"{exc.reason}") from None
         done, cut = prepare_state(config, model, console)
         input_ids = set(ids)
         todo = input_ids - done
@@ -599,18 +599,18 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
             await generation.run(iter_todo(config.prompts, set(todo)), len(input_ids), already, console)
         except ServersDead as exc:
             raise GenerateError(
-                f"generate: stopped, no server answers any more ({exc}); "
+                f"stopped, no server answers any more ({exc}); "
                 f"{kept.format(already + t.rows_done)}; rerun to resume",
                 EXIT_SERVERS_DEAD,
             ) from None
         except ErrorRateExceeded as exc:
             raise GenerateError(
-                f"generate: stopped, {exc}; {kept.format(already + t.rows_done)}; "
+                f"stopped, {exc}; {kept.format(already + t.rows_done)}; "
                 "fix the server or the settings and rerun to resume",
                 EXIT_SERVERS_DEAD,
             ) from None
         except AuthError as exc:
-            raise GenerateError(f"generate: stopped, {exc}; rows done so far are kept") from None
+            raise GenerateError(f"stopped, {exc}; rows done so far are kept") from None
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -618,7 +618,7 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         if t.unanswered:
             kinds = ", ".join(f"{k}: {n}" for k, n in sorted(t.unanswered_by_kind.items()))
             raise GenerateError(
-                f"generate: {t.unanswered} prompts got no usable answer, after up to "
+                f"{t.unanswered} prompts got no usable answer, after up to "
                 f"{config.retry.max_retries + 1} attempts each ({kinds}; last: {t.last_failure[:300]}); "
                 "none is recorded as an error: "
                 f"rerun to ask them again; {kept.format(already + t.rows_done)}",
@@ -630,7 +630,7 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         missing = len(input_ids) - stats["conversations"] - stats["errors"]
         if missing:
             raise GenerateError(
-                f"generate: {missing} of {len(input_ids)} prompts have no row in {CONVERSATIONS} or "
+                f"{missing} of {len(input_ids)} prompts have no row in {CONVERSATIONS} or "
                 f"{ERRORS} in {config.out_dir}; no manifest written, rerun to ask for them again",
                 EXIT_ROWS_MISSING,
             )
@@ -675,7 +675,7 @@ def generate(config: GenerateConfig, console: Console | None = None) -> int:
     try:
         stats = _event_loop_runner()(_generate(config, console))
     except GenerateError as exc:
-        console.print(str(exc), markup=False, highlight=False)
+        console.print(error_lines(str(exc)), markup=False, highlight=False)
         return exc.code
     except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("generate: interrupted; rows done so far are kept, rerun to resume")

@@ -257,7 +257,9 @@ def prep(
     worker_memory: str = DEFAULT_WORKER_MEMORY,
     probe_rows: int = SCHEMA_PROBE_ROWS,
 ) -> int:
-    """Run the step; returns the exit code. Every output is complete before the manifest is written.
+    """Run the step; returns the exit code: 0 done; 2 bad input (the catalog, its options or a
+    source's data); 1 failed otherwise (a reader or the hub, a worker killed). Every output is
+    complete before the manifest is written.
 
     ``quota``: at most that many records from each source (the catalog's own quotas when None).
     """
@@ -309,7 +311,8 @@ def prep(
             console.print(f"[red]error:[/] {escape(reason)}", soft_wrap=True)
         shutil.rmtree(parts, ignore_errors=True)
         console.print(f"[red]prep failed:[/] {len(failed)} of {len(results)} sources; no output written")
-        return 1
+        # Bad input (2) when every failed source is the catalog's or its data's to fix.
+        return 1 if any(r.error and not r.bad_input for r in failed) else 2
 
     records = {
         PROMPTS: merge_jsonl(results, "prompts", step_dir / PROMPTS, seed),

@@ -66,6 +66,8 @@ class SourceResult:
     unknown_roles: dict[str, int] = field(default_factory=dict)
     """Speaker names the role map lacks, with the rows they cost."""
     error: str | None = None
+    bad_input: bool = False
+    """Whether ``error`` is the catalog's or the data's (fixed there), not a failure a rerun may not meet."""
     seconds: float = 0.0
     worker_peak_rss: int = 0
 
@@ -93,7 +95,8 @@ class SourceResult:
         self.duplicates += other.duplicates
         self.rejected = dict(Counter(self.rejected) + Counter(other.rejected))
         self.unknown_roles = dict(Counter(self.unknown_roles) + Counter(other.unknown_roles))
-        self.error = self.error or other.error
+        if self.error is None:
+            self.error, self.bad_input = other.error, other.bad_input
         self.seconds = max(self.seconds, other.seconds)
         self.worker_peak_rss = max(self.worker_peak_rss, other.worker_peak_rss)
 
@@ -229,7 +232,7 @@ def prepare_source(
         _run(source, location, part, probe_rows, piece, result, rejected, unknown_roles)
         result.parts, result.part_rows = [str(part)], [result.read]
     except SourceError as exc:
-        result.error = str(exc)
+        result.error, result.bad_input = str(exc), True
     except Exception as exc:  # a reader or adapter failure: name the source, keep one line
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         result.error = f"source {source.name!r} ({location}): {type(exc).__name__}: {first_line}"

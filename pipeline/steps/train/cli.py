@@ -166,7 +166,7 @@ def offline_features(cfg: TrainConfig) -> None:
 
 def _say(message: str) -> None:
     for line in message.splitlines():
-        print(f"eyrie train: {line}", file=sys.stderr, flush=True)
+        print(f"error: {line}", file=sys.stderr, flush=True)
 
 
 def worker_main(resolved: Path) -> int:
@@ -296,7 +296,7 @@ def _train_here(cfg: TrainConfig) -> int | None:
             return rc
         if not ran_rank_0:
             # Only global rank 0 exports and evaluates: its node vouches for the outputs.
-            _say("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
+            print("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
             return 0
         return None
     worker(cfg)

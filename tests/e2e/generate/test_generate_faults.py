@@ -286,7 +286,7 @@ def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_asid
     refused = run_generate(prompts, out, server.url, extra=("--temperature", "0.5"))
     assert refused.returncode == 2
     assert refused.stderr.strip() == (
-        f"generate: the rows in {out} were made with other settings (sampling.temperature 0.7 -> 0.5); "
+        f"error: the rows in {out} were made with other settings (sampling.temperature 0.7 -> 0.5); "
         "rerun with the same settings to resume them, or add --restart (in a pipeline file's run: "
         "EYRIE_GENERATE_RESTART=1, once) to move them aside and start over"
     )

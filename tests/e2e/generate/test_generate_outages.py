@@ -86,7 +86,7 @@ def test_a_server_that_answers_500_to_everything_stops_the_step(tmp_path, fake_s
     assert result.returncode == 3, result.stderr
     said = result.stderr.strip().splitlines()[-1]
     assert said.startswith(
-        "generate: stopped, 60 of the last 60 rows failed (100%, above --max-error-rate 0.5; last: "
+        "error: stopped, 60 of the last 60 rows failed (100%, above --max-error-rate 0.5; last: "
         "http_500: no answer after 3 attempts: HTTP 500: injected 500); 0/60 rows are done and kept in "
     ), said
     assert read_manifest(out) is None

@@ -74,3 +74,13 @@ def test_a_wrong_option_or_file_is_one_line_naming_it(tmp_path: Path, build, opt
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert named.format(tmp=tmp_path) in lines[0]
+
+
+def test_a_budget_below_one_job_is_its_error_alone(build, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 GiB of a process that has 2.5: within auto's headroom, which once printed a note first.
+    has = Budget(available=int(2.5 * GiB), mem_total=64 * GiB, mem_available=30 * GiB, cgroup_version=2)
+    monkeypatch.setattr(flash_attn, "memory_budget", lambda: has)
+    result = build("--budget", "1GiB")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: budget 1.00 GiB is below"), result.output

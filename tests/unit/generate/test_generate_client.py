@@ -148,4 +148,4 @@ def test_the_step_says_in_one_line_when_no_model_is_listed(tmp_path):
     said = console.export_text().strip()
     assert code == EXIT_BAD_INPUT
     listed = f"{url}/v1/models answered no model list: b'not json'"
-    assert said == f"generate: no server lists a model ({listed}): pass --model"
+    assert said == f"error: no server lists a model ({listed}): pass --model"

@@ -78,7 +78,7 @@ def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
         ],
     )
     out = tmp_path / "out"
-    assert prep(catalog, out) == 1
+    assert prep(catalog, out) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "source 'math': the first 30 rows gave no record with adapter 'messages'" in err
     assert "rows have keys [answer, question]" in err and "expects 'messages'" in err
@@ -125,7 +125,7 @@ def test_unknown_speakers_are_named_with_the_roles_the_map_knows(tmp_path, capsy
     turns = [{"from": "Human", "value": "hi"}, {"from": "Assistant", "value": "hello"}]
     rows.write_text(json.dumps({"conversations": turns}) + "\n")
     catalog = write_catalog(tmp_path, [{"name": "caps", "data": str(rows), "format": "sharegpt"}])
-    assert prep(catalog, tmp_path / "out") == 1
+    assert prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "(rejected: unknown_role 1); roles 'Assistant', 'Human' are not in the role map" in err
     assert (
@@ -155,7 +155,7 @@ def test_a_failed_rerun_leaves_no_manifest_over_the_old_outputs(tmp_path, capsys
     assert prep(write_catalog(tmp_path, [gsm]), out) == 0
     assert check_manifest(out, OUTPUTS)[0]
     broken = {**gsm, "fields": {"prompt": "input"}}  # every row now lacks its prompt
-    assert prep(write_catalog(tmp_path, [broken]), out) == 1
+    assert prep(write_catalog(tmp_path, [broken]), out) == 2
     complete, why = check_manifest(out, OUTPUTS)
     assert not complete and "no valid manifest.json" in why
     assert (out / "prompts.jsonl").exists()  # the earlier outputs are not deleted, only not vouched for
@@ -165,7 +165,7 @@ def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(500)))
     catalog = write_catalog(tmp_path, [{"name": "wide", "data": str(rows), "format": "sharegpt"}])
-    assert prep(catalog, tmp_path / "out") == 1
+    assert prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "the first 100 rows gave no record with adapter 'sharegpt'" in err
     assert "expects 'conversations' (a list of {from, value})" in err
@@ -176,7 +176,7 @@ def test_turn_keys_of_the_wrong_shape_are_named(tmp_path, capsys):
         tmp_path, [{"name": "sg", "data": str(SAMPLES / "sharegpt_vicuna.json"), "format": "messages",
                     "fields": {"messages": "conversations"}}],
     )  # fmt: skip
-    assert prep(catalog, tmp_path / "out") == 1
+    assert prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "turns have {from, value}" in err and "(a list of {role, content})" in err
 

@@ -69,3 +69,84 @@ def test_a_ledger_that_cannot_be_read_is_one_line_naming_it(tmp_path):
         assert len(lines) == 1 and str(ledger) in lines[0], result.stderr
     result = eyrie("explain", "prep", "--run-dir", str(tmp_path))
     assert result.returncode == 2 and str(ledger) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_misspelled_key_is_named_with_the_key_it_is_nearest(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "nme: x\ndocker: {imag: x}\nsteps:\n  - name: a\n    comand: [true]\n    memory: 64MiB\n"
+        "    timout: 5m\n    slurm: {partitoin: gpu}\n    docker: {colour: blue}\n"
+    )
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    lines = sorted(line.removeprefix(f"error: {path}: ") for line in result.stderr.splitlines())
+    assert lines == [
+        "docker.imag: unknown key; did you mean 'image'?",
+        "nme: unknown key; did you mean 'name'?",
+        "steps[0] (a).comand: unknown key; did you mean 'command'?",  # not also "command: missing"
+        "steps[0] (a).docker.colour: unknown key (known: image, shm_size)",
+        "steps[0] (a).slurm.partitoin: unknown key; did you mean 'partition'?",
+        "steps[0] (a).timout: unknown key; did you mean 'timeout'?",
+    ], result.stderr
+
+
+def test_a_step_that_needs_itself_is_said_so(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n    needs: [a]\n")
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {path}: (top level): step 'a' needs itself", result.stderr
+
+
+def test_one_step_is_one_step(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n")
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"), check=True)
+    assert ": 1 step, budget" in result.stdout, result.stdout
+
+
+def test_a_refused_run_leaves_nothing(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 65536TiB\n")
+    run_dir = tmp_path / "runs" / "first"
+    result = eyrie("run", str(path), "--run-dir", str(run_dir))
+    assert result.returncode == 2 and "exceeds the" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()  # no run folder, no ledger
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine\n")
+    assert eyrie("run", str(path), "--run-dir", str(run_dir)).returncode == 2
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]  # a folder that was there keeps only its own
+    status = eyrie("status", "--run-dir", str(run_dir))
+    assert status.returncode == 2 and "no ledger at" in status.stderr
+
+
+def test_a_command_not_found_is_refused_before_the_run_starts(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "steps:\n  - name: first\n    command: [true]\n    memory: 64MiB\n"
+        "  - name: b\n    command: [eyrie-no-such-program, x]\n    memory: 64MiB\n    needs: [first]\n"
+    )
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "steps (b).command: 'eyrie-no-such-program': not found" in lines[0], lines
+    assert not (tmp_path / "run").exists()  # `first` never ran
+    path.write_text("steps:\n  - name: a\n    command: [/no/such/tool]\n    memory: 64MiB\n")
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "'/no/such/tool': no such file" in result.stderr, result.stderr
+
+
+def test_check_names_each_steps_problem_and_writes_nothing(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "steps:\n  - name: train\n    command: [eyrie, train, prompts.jsonl]\n    memory: 64MiB\n"
+        "  - name: b\n    command: [eyrie-no-such-program]\n    memory: 64MiB\n"
+    )
+    result = eyrie("run", "--check", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: {path}: steps (train).command: eyrie train: Missing option '--data'.",
+        f"error: {path}: steps (b).command: 'eyrie-no-such-program': not found on the step's PATH; "
+        "install it, or give its full path",
+    ]
+    assert not (tmp_path / "run").exists()

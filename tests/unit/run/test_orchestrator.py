@@ -70,6 +70,7 @@ def runs_until_stopped(launch: Launch) -> FakeAttempt:
 class FakeExecutor:
     name = "fake"
     Options = StepOptions
+    runs_here = False
     admits_by_memory = False
     detached = False
     host_memory = None  # its steps run nowhere: the runner writes heartbeats only
@@ -191,7 +192,7 @@ def test_a_missing_input_stops_the_run_before_any_step_starts(tmp_path):
     with pytest.raises(PipelineError, match=r"steps \(train\)\.inputs: .*train\.yaml does not exist"):
         run(tmp_path, steps, executor)
     assert executor.attempts == []
-    assert ledger_of(tmp_path).latest_run() is None
+    assert not (tmp_path / "run").exists()  # a refused run leaves no run folder, no ledger
 
 
 def write_output(name: str) -> Behaviour:

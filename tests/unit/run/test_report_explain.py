@@ -35,6 +35,7 @@ def test_two_jobs_dead_beside_a_server_on_a_roomy_host_were_not_out_of_memory(ne
         "Over its own limit: its memory, page cache included, reached 128.00 MiB of its 128.00 MiB limit"
         in grows
     )
+    assert "Raise its memory (the step's memory:) or make it use less." in grows
     assert "Beside it ran: server" in grows
 
 

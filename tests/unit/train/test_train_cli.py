@@ -91,8 +91,8 @@ def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
     assert worker_main(resolved) == cli.EXIT_BAD_INPUT
     lines = capsys.readouterr().err.splitlines()
     if local_rank == "0":
-        assert lines[0] == f"eyrie train: {tmp_path / 'nope.json'}: cannot read it: No such file or directory"
-        assert lines[1].startswith(f"eyrie train: --target {inputs['target']}: cannot load the model: ")
+        assert lines[0] == f"error: {tmp_path / 'nope.json'}: cannot read it: No such file or directory"
+        assert lines[1].startswith(f"error: --target {inputs['target']}: cannot load the model: ")
         assert len(lines) == 2
     else:
         assert lines == []

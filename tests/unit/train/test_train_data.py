@@ -69,7 +69,7 @@ def test_the_step_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     assert code == EXIT_BAD_INPUT
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eyrie train:")]
     assert said == [
-        "eyrie train: 3 training rows are fewer than one optimizer step takes (batch size 4 x 1 processes): "
+        "error: 3 training rows are fewer than one optimizer step takes (batch size 4 x 1 processes): "
         "lower --batch-size or --nproc, or give more data"
     ]
 

@@ -140,7 +140,7 @@ def test_bad_settings_are_one_line_errors_also_under_torchrun(small_run, tmp_pat
     config.write_text("lrr: 1\n")
     done = _run(_train_argv(small_run, tmp_path / "step", "--config", str(config)), tmp_path / "step")
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.startswith(f"eyrie train: {config}: lrr: unknown setting")
+    assert done.stderr.startswith(f"error: {config}: lrr: unknown setting")
     assert len(done.stderr.splitlines()) == 1
 
     # A target whose weights are missing is found by the workers: one line, no traceback, no resume.

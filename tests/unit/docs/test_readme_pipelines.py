@@ -1,0 +1,31 @@
+"""Every pipeline example in README.md (a yaml block with `steps:`) passes `eyrie run --check`, unless
+its first line marks it `# fragment`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from eyrie_testing import REPO, eyrie
+
+BLOCKS = re.findall(r"^```yaml\n(.*?)^```", (REPO / "README.md").read_text(encoding="utf-8"), re.M | re.S)
+PIPELINES = [b for b in BLOCKS if re.search(r"^steps:", b, re.M) and not b.startswith("# fragment")]
+
+
+def test_the_readme_has_pipeline_examples():
+    assert PIPELINES
+
+
+@pytest.mark.parametrize("example", PIPELINES, ids=lambda b: b.splitlines()[0][:40])
+def test_a_readme_pipeline_passes_the_check(tmp_path, example):
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(example)
+    for step in yaml.safe_load(example)["steps"]:  # the files it names beside it
+        for name in step.get("inputs", []):
+            (tmp_path / name).write_text("")
+    result = eyrie("run", "--check", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+    assert not (tmp_path / "run").exists()  # a check writes nothing
