@@ -296,7 +296,11 @@ def _train_here(cfg: TrainConfig) -> int | None:
             return rc
         if not ran_rank_0:
             # Only global rank 0 exports and evaluates: its node vouches for the outputs.
-            print("this node's workers are done; the node of global rank 0 writes the draft and the manifest")
+            print(
+                "note: this node's workers are done; "
+                "the node of global rank 0 writes the draft and the manifest",
+                file=sys.stderr,
+            )
             return 0
         return None
     worker(cfg)
