@@ -38,6 +38,12 @@ def accept(
     startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
     request_timeout: Annotated[str, typer.Option()] = "10m",
     trust_remote_code: TrustRemoteCode = False,
+    reasoning_parser: Annotated[
+        str, typer.Option(help="SGLang's --reasoning-parser, as the target is served (empty: none).")
+    ] = "",
+    tool_call_parser: Annotated[
+        str, typer.Option(help="SGLang's --tool-call-parser, as the target is served (empty: none).")
+    ] = "",
     release_target: ReleaseTarget = "no",
     out_dir: Annotated[
         Path | None, typer.Option(help="Where accept.json goes (default: the step dir, else the cwd).")
@@ -47,7 +53,7 @@ def accept(
     from pipeline.memory.units import parse_duration
     from pipeline.steps.accept.accept import Settings
     from pipeline.steps.accept.accept import accept as run_accept
-    from pipeline.steps.sglang import Speculation, release_url
+    from pipeline.steps.sglang import Parsers, Speculation, release_url
 
     settings = Settings(
         draft=draft, target=target, data=data, engine=engine,  # type: ignore[arg-type]
@@ -56,5 +62,6 @@ def accept(
         max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
         trust_remote_code=trust_remote_code, release_target=release_url(release_target),
         startup_timeout_s=parse_duration(startup_timeout), request_timeout_s=parse_duration(request_timeout),
+        parsers=Parsers(reasoning_parser, tool_call_parser),
     )  # fmt: skip
     raise typer.Exit(run_accept(settings, out_dir))
