@@ -144,7 +144,8 @@ def test_the_compose_server_serves_kimi_k25(tmp_path):
     """The README's settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
     shell = {
         "EYRIE_TARGET_MODEL": "moonshotai/Kimi-K2.5", "EYRIE_TRUST_REMOTE_CODE": "1",
-        "EYRIE_REASONING_PARSER": KIMI_K25_PARSERS.reasoning, "EYRIE_TOOL_CALL_PARSER": KIMI_K25_PARSERS.tool_call,
+        "EYRIE_REASONING_PARSER": KIMI_K25_PARSERS.reasoning,
+        "EYRIE_TOOL_CALL_PARSER": KIMI_K25_PARSERS.tool_call,
         "EYRIE_SGLANG_WEIGHTS_BACKUP": "0",
     }  # fmt: skip
     args = parse(_served_argv(_compose_service("sglang", shell), tmp_path))
