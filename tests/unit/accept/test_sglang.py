@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from eyrie_testing import REPO
+from pipeline.memory.units import parse_size
 from pipeline.steps.sglang import Parsers, Speculation, server_argv
 
 SGLANG_DOCKERFILE = REPO / "images" / "sglang" / "Dockerfile"
@@ -140,18 +141,28 @@ def test_the_compose_servers_flags(tmp_path):
     assert args.reasoning_parser is None and args.tool_call_parser is None  # empty: not passed
 
 
+def _readme_kimi_k25_settings() -> dict[str, str]:
+    """The settings of README.md's block that runs the real job on Kimi-K2.5."""
+    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+                if "export EYRIE_TARGET_MODEL=moonshotai/Kimi-K2.5" in b]  # fmt: skip
+    return dict(re.findall(r"^export (EYRIE_\w+)=(\S+)", block, re.M))
+
+
 def test_the_compose_server_serves_kimi_k25(tmp_path):
-    """The README's settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
-    shell = {
-        "EYRIE_TARGET_MODEL": "moonshotai/Kimi-K2.5", "EYRIE_TRUST_REMOTE_CODE": "1",
-        "EYRIE_REASONING_PARSER": KIMI_K25_PARSERS.reasoning,
-        "EYRIE_TOOL_CALL_PARSER": KIMI_K25_PARSERS.tool_call,
-        "EYRIE_SGLANG_WEIGHTS_BACKUP": "0",
-    }  # fmt: skip
+    """README.md's settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
+    shell = _readme_kimi_k25_settings()
+    assert (shell["EYRIE_REASONING_PARSER"], shell["EYRIE_TOOL_CALL_PARSER"]) == (
+        KIMI_K25_PARSERS.reasoning, KIMI_K25_PARSERS.tool_call
+    )  # fmt: skip
     args = parse(_served_argv(_compose_service("sglang", shell), tmp_path))
     assert args.model_path == "moonshotai/Kimi-K2.5" and args.trust_remote_code is True
     assert (args.reasoning_parser, args.tool_call_parser) == ("kimi_k2", "kimi_k2")
-    assert args.enable_weights_cpu_backup is False
+    assert args.enable_weights_cpu_backup is False  # the target is larger than the host's memory
+    # 594 GB of weights fit no GPU: split over all of them, by one process
+    assert shell["EYRIE_TARGET_PLACEMENT"] in ("sharded", "offline") and shell["EYRIE_TRAIN_PROCESSES"] == "1"
+    # the server (paused) and train at once, inside the 449 GB of the host the block is for
+    service = _compose_service("sglang", shell)
+    assert int(service["mem_limit"]) + parse_size(shell["EYRIE_TRAIN_MEMORY"]) <= 449 * 10**9
 
 
 # SGLang v0.5.12 (entrypoints/http_server.py): /health_generate always runs a one-token generation;
