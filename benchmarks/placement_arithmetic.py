@@ -1,11 +1,12 @@
 """Where Kimi-K2.5 can live on the seeds' host: the placement planner's arithmetic, not a measurement.
 
-The target: Kimi-K2.5's language model as its config.json gives it (the DeepSeek-V3 architecture:
-61 layers, the first dense; hidden 7168; MLA with q_lora_rank 1536, kv_lora_rank 512, head dims
-128 + 64 and 128; 384 routed experts of width 2048, 8 per token, one shared expert; vocabulary
-163840), built on the meta device, so every size is transformers' own count of its parameters. As
-released, the routed experts are INT4 with a bf16 scale per group of 32 weights (4.5 bits a weight);
-everything else is bf16.
+The target: Kimi-K2.5's language model as its config.json gives it (the copy in
+tests/fixtures/kimi_k25_release/, its ``text_config``: the DeepSeek-V3 architecture, 61 layers, the
+first dense; hidden 7168; MLA with q_lora_rank 1536, kv_lora_rank 512, head dims 128 + 64 and 128;
+384 routed experts of width 2048, 8 per token, one shared expert; vocabulary 163840), built on the
+meta device, so every size is transformers' own count of its parameters. As released (its
+``quantization_config``), the routed experts are INT4 with a bf16 scale per group of 32 weights
+(4.5 bits a weight); everything else is bf16.
 
 The host: 8 GPUs of 96 GB (RTX PRO 6000 Blackwell), each taken as 96e9 bytes less 1 GiB for the
 CUDA context, and 449 GB of RAM. The draft: the trainer's own, sized by ``draft_bytes``.
@@ -21,9 +22,10 @@ the weights on the first forward pass).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from pipeline.memory.units import format_size
 from pipeline.steps.train.features import LOGITS_CHUNK
@@ -31,18 +33,21 @@ from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_con
 from pipeline.steps.train.offline import bytes_per_token
 from pipeline.steps.train.placement import Device, PlacementError, Unit, draft_bytes, plan, target_units
 
-KIMI_K25 = DeepseekV3Config(
-    vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384, num_experts_per_tok=8,
-    n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=64, num_key_value_heads=64,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    max_position_embeddings=262144, tie_word_embeddings=False,
-)  # fmt: skip
-INT4_BYTES = 0.5 + 2 / 32  # 4 bits a weight and a bf16 scale per group of 32
+KIMI_K25_RELEASE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kimi_k25_release"
 GPU_BYTES = 96 * 10**9
 CONTEXT = 1024**3
 GPUS = 8
 DRAFT_VOCAB = 32000
+
+
+def kimi_k25() -> tuple[PreTrainedConfig, float]:
+    """Kimi-K2.5's language model, without its quantization (the planner counts a dense model), and
+    the bytes a routed expert's weight takes as released: its bits, and a bf16 scale per group."""
+    text = AutoConfig.from_pretrained(KIMI_K25_RELEASE).text_config
+    (group,) = text.quantization_config["config_groups"].values()
+    del text.quantization_config
+    weights = group["weights"]
+    return text, weights["num_bits"] / 8 + 2 / weights["group_size"]
 
 
 def routed_expert_parameters(config) -> dict[str, int]:
@@ -74,13 +79,15 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    dense = target_units(KIMI_K25, torch.bfloat16, args.batch, args.length, DRAFT_VOCAB, LOGITS_CHUNK)
-    experts = routed_expert_parameters(KIMI_K25)
+    config, int4_bytes = kimi_k25()
+    dense = target_units(config, torch.bfloat16, args.batch, args.length, DRAFT_VOCAB, LOGITS_CHUNK)
+    experts = routed_expert_parameters(config)
     int4 = [
-        Unit(u.module, u.weights - experts.get(u.module, 0) * (2 - INT4_BYTES), u.activations) for u in dense
+        Unit(u.module, u.weights - experts.get(u.module, 0) * (2 - int4_bytes), u.activations) for u in dense
     ]
     with torch.device("meta"):
-        draft_model = Eagle3Draft(draft_config(KIMI_K25, DRAFT_VOCAB, default_layer_ids(61)))
+        layers = default_layer_ids(config.num_hidden_layers)
+        draft_model = Eagle3Draft(draft_config(config, DRAFT_VOCAB, layers))
     draft = draft_bytes(draft_model, args.batch * args.length, args.length, 7, 512, 2)
     devices = [Device(f"cuda:{i}", GPU_BYTES - CONTEXT) for i in range(GPUS)]
 
@@ -91,7 +98,7 @@ def main() -> None:
     print(f"weights, dense bf16:          {format_size(sum(u.weights for u in dense))}")
     print(f"draft (K=7, {args.batch} x {args.length} tokens, vocabulary {DRAFT_VOCAB}): {format_size(draft)}")
     print(f"GPUs: {GPUS} x {format_size(GPU_BYTES)}, {format_size(GPUS * (GPU_BYTES - CONTEXT))} free in all")
-    per_token = bytes_per_token(KIMI_K25.hidden_size, torch.bfloat16)
+    per_token = bytes_per_token(config.hidden_size, torch.bfloat16)
     disk = format_size(per_token * args.tokens)
     print(f"offline features: {per_token:,} bytes a token; {args.tokens:,} tokens: {disk}")
     show("experts INT4", "replicated", int4, devices, draft)

@@ -84,12 +84,27 @@ class Speculation:
         return self
 
 
+@dataclass(frozen=True)
+class Parsers:
+    """How the server splits a chat answer: its thinking into ``reasoning_content``
+    (``--reasoning-parser``), its tool calls into ``tool_calls`` (``--tool-call-parser``). Names are
+    SGLang's (Kimi-K2.5: ``kimi_k2`` for both); an empty one passes no flag."""
+
+    reasoning: str = ""
+    tool_call: str = ""
+
+    def argv(self) -> list[str]:
+        flags = (("--reasoning-parser", self.reasoning), ("--tool-call-parser", self.tool_call))
+        return [arg for flag, name in flags if name for arg in (flag, name)]
+
+
 def server_argv(
     model: str,
     *,
     port: int,
     tp: int,
     trust_remote_code: bool = False,
+    parsers: Parsers = Parsers(),
     speculation: Speculation | None = None,
 ) -> list[str]:
     """``python -m sglang.launch_server`` for ``model`` on 127.0.0.1, with or without a draft."""
@@ -97,6 +112,7 @@ def server_argv(
             "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp)]  # fmt: skip
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    argv += parsers.argv()
     if speculation is not None:
         argv += [
             "--speculative-algorithm", "EAGLE3",
@@ -110,12 +126,13 @@ def server_argv(
 
 @contextlib.contextmanager
 def sglang_server(
-    model: str, log_path: Path, *, tp: int, trust_remote_code: bool, speculation: Speculation | None,
-    startup_timeout_s: float,
+    model: str, log_path: Path, *, tp: int, trust_remote_code: bool, parsers: Parsers,
+    speculation: Speculation | None, startup_timeout_s: float,
 ) -> Iterator[str]:  # fmt: skip
     """An SGLang server for the block's duration, a child of the step; yields its base URL."""
     port = free_port()
-    argv = server_argv(model, port=port, tp=tp, trust_remote_code=trust_remote_code, speculation=speculation)
+    argv = server_argv(model, port=port, tp=tp, trust_remote_code=trust_remote_code, parsers=parsers,
+                       speculation=speculation)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with running_server("sglang", argv, dict(os.environ), url, log_path, startup_timeout_s):
         yield url

@@ -41,6 +41,7 @@ from pipeline.run.step_contract import atomic_write_text, say_error, step_dir_fr
 from pipeline.steps.generate.config import Retry
 from pipeline.steps.generate.serve import ServeError
 from pipeline.steps.sglang import (
+    Parsers,
     SGLangRefused,
     SGLangUnavailable,
     Speculation,
@@ -79,6 +80,9 @@ class Settings:
     request_timeout_s: float
     retry: Retry = field(default_factory=Retry)
     """Of each request to a server: a transient fault (refused, reset, timed out, 5xx) is sent again."""
+    parsers: Parsers = Parsers()
+    """Those of the server generate asked, so that accept's servers are started as the target is
+    served (they split chat answers; the token ids ``/generate`` returns are the same without)."""
 
 
 class AcceptError(ValueError):
@@ -169,8 +173,8 @@ def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> 
             console.print(f"accept: SGLang {how} the draft, {len(prompts)} prompts", markup=False)
             with sglang_server(
                 settings.target, logs / f"sglang-{name}.log", tp=settings.tp,
-                trust_remote_code=settings.trust_remote_code, speculation=speculation,
-                startup_timeout_s=settings.startup_timeout_s,
+                trust_remote_code=settings.trust_remote_code, parsers=settings.parsers,
+                speculation=speculation, startup_timeout_s=settings.startup_timeout_s,
             ) as url:  # fmt: skip
                 runs[name] = _server_run(url, prompts, settings)
     return runs["speculative"], runs["baseline"]

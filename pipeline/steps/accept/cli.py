@@ -38,6 +38,12 @@ def accept(
     startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
     request_timeout: Annotated[str, typer.Option()] = "10m",
     trust_remote_code: TrustRemoteCode = False,
+    reasoning_parser: Annotated[
+        str, typer.Option(help="SGLang's --reasoning-parser, as the target is served (empty: none).")
+    ] = "",
+    tool_call_parser: Annotated[
+        str, typer.Option(help="SGLang's --tool-call-parser, as the target is served (empty: none).")
+    ] = "",
     release_target: ReleaseTarget = "no",
     out_dir: Annotated[
         Path | None, typer.Option(help="Where accept.json goes (default: the step dir, else the cwd).")
@@ -47,7 +53,7 @@ def accept(
     from pipeline.run.step_contract import say_error
     from pipeline.steps.accept.accept import EXIT_BAD_INPUT, Settings
     from pipeline.steps.accept.accept import accept as run_accept
-    from pipeline.steps.sglang import Speculation, release_url
+    from pipeline.steps.sglang import Parsers, Speculation, release_url
 
     try:
         startup_timeout_s = duration_option("--startup-timeout", startup_timeout)
@@ -62,5 +68,6 @@ def accept(
         max_new_tokens=max_new_tokens, concurrency=concurrency, tp=tp,
         trust_remote_code=trust_remote_code, release_target=release_url(release_target),
         startup_timeout_s=startup_timeout_s, request_timeout_s=request_timeout_s,
+        parsers=Parsers(reasoning_parser, tool_call_parser),
     )  # fmt: skip
     raise typer.Exit(run_accept(settings, out_dir))

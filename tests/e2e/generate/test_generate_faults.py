@@ -395,3 +395,24 @@ def test_request_latency_percentiles_are_in_the_manifest(tmp_path, fake_server):
     assert 50 <= latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
     assert 50 <= latency["mean"] <= latency["max"]
     assert f"latency p50 {latency['p50']:.0f} ms, p99 {latency['p99']:.0f} ms" in result.stderr
+
+
+def test_a_parsed_answer_keeps_its_reasoning_and_tool_calls(tmp_path, fake_server):
+    """A server that splits its answers (SGLang's --reasoning-parser and --tool-call-parser, as
+    the real job serves Kimi-K2.5): the reasoning and the tool calls land in the conversation."""
+    record = tmp_path / "requests.jsonl"
+    server = fake_server("--reasoning", "--record", str(record))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    rows = [{"id": "agent", "source": "t", "tools": tools,
+             "messages": [{"role": "user", "content": "find x CALL-A-TOOL"}]}]  # fmt: skip
+    out = tmp_path / "out"
+    result = run_generate(write_prompts(tmp_path / "prompts.jsonl", rows), out, server.url)
+    assert result.returncode == 0, result.stderr
+    assert read_jsonl(record)[0]["tools"] == tools  # the server parses tool calls only when offered tools
+    (row,) = read_jsonl(out / "conversations.jsonl")
+    answer = row["conversations"][-1]
+    assert answer["role"] == "assistant" and answer["content"].startswith("answer-")
+    assert answer["reasoning_content"].startswith("thinking about ")
+    call = {"name": "lookup", "arguments": json.dumps({"q": "x"})}
+    assert answer["tool_calls"] == [{"id": "call_1", "type": "function", "function": call}]
+    assert row["finish_reason"] == "tool_calls"

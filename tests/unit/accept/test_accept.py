@@ -19,13 +19,15 @@ import torch
 from fakes.fake_sglang import FakeSGLang
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
 
 from eyrie_testing import eyrie
+from pipeline.cli import app
 from pipeline.run.step_contract import read_manifest
 from pipeline.steps.accept import accept as accept_module
 from pipeline.steps.accept.accept import Settings, _server_run
 from pipeline.steps.generate.client import Retry
-from pipeline.steps.sglang import Speculation
+from pipeline.steps.sglang import Parsers, Speculation
 from pipeline.steps.train.export import export_draft
 from pipeline.steps.train.model import Eagle3Draft, draft_config, vocab_map
 
@@ -112,20 +114,43 @@ def _sglang_settings(inputs: dict[str, Path], **changes) -> Settings:
     return dataclasses.replace(settings, **changes)
 
 
+class Served(list):
+    """The speculation each server the step started was started with, and the parsers of each."""
+
+    parsers: list[Parsers]
+
+
 @pytest.fixture
 def served(monkeypatch):
-    """SGLang servers the step starts, replaced by test fakes: the speculation each was started with."""
-    started: list[Speculation | None] = []
+    """SGLang servers the step starts, replaced by test fakes."""
+    started = Served()
+    started.parsers = []
     fake = FakeSGLang(meta={"completion_tokens": 30, "spec_verify_ct": 12})
 
     @contextlib.contextmanager
-    def sglang_server(model, log_path, *, tp, trust_remote_code, speculation, startup_timeout_s):
+    def sglang_server(model, log_path, *, tp, trust_remote_code, parsers, speculation, startup_timeout_s):
         started.append(speculation)
+        started.parsers.append(parsers)
         yield fake.url
 
     monkeypatch.setattr(accept_module, "sglang_server", sglang_server)
     yield started
     fake.close()
+
+
+def test_the_servers_split_answers_as_the_target_is_served(run_inputs, served, tmp_path, monkeypatch):
+    """``--reasoning-parser``/``--tool-call-parser`` (the pipeline's EYRIE_REASONING_PARSER and
+    EYRIE_TOOL_CALL_PARSER) reach both servers accept starts."""
+    monkeypatch.setenv("EYRIE_STEP_DIR", str(tmp_path))
+    argv = [arg if arg != "chain" else "sglang" for arg in _accept_argv(run_inputs)]
+    argv[argv.index("--tp") + 1] = "1"
+    named = ["--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2"]
+    result = CliRunner().invoke(app, [*argv, *named])
+    assert result.exit_code == 0, result.output
+    assert served.parsers == [Parsers("kimi_k2", "kimi_k2")] * 2
+    # none named (the pipeline file's default, an empty name): none passed
+    assert CliRunner().invoke(app, [*argv, "--reasoning-parser", "", "--tool-call-parser", ""]).exit_code == 0
+    assert served.parsers[2:] == [Parsers()] * 2
 
 
 def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(tmp_path, run_inputs):

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from eyrie_testing import REPO
-from pipeline.steps.sglang import Speculation, server_argv
+from pipeline.memory.units import parse_size
+from pipeline.steps.sglang import Parsers, Speculation, server_argv
 
 SGLANG_DOCKERFILE = REPO / "images" / "sglang" / "Dockerfile"
 TABLES = REPO / "tests" / "fixtures" / "sglang"
@@ -69,6 +70,27 @@ def test_the_same_server_without_speculation():
     args = parse(server_argv("/models/kimi", port=30002, tp=8))
     assert args.speculative_algorithm is None and args.speculative_draft_model_path is None
     assert args.trust_remote_code is False and args.host == "127.0.0.1"
+    assert args.reasoning_parser is None and args.tool_call_parser is None
+
+
+# Kimi-K2.5 thinks in <think>...</think> and calls tools in <|tool_calls_section_begin|> sections:
+# SGLang v0.5.12's KimiK2Detector of each (parser/reasoning_parser.py, function_call/kimik2_detector.py).
+KIMI_K25_PARSERS = Parsers(reasoning="kimi_k2", tool_call="kimi_k2")
+
+
+def test_kimi_k25_is_served_with_its_parsers():
+    args = parse(server_argv("moonshotai/Kimi-K2.5", port=30003, tp=8, trust_remote_code=True,
+                             parsers=KIMI_K25_PARSERS))  # fmt: skip
+    assert (args.reasoning_parser, args.tool_call_parser) == ("kimi_k2", "kimi_k2")
+    assert args.trust_remote_code is True
+
+
+def test_a_parser_the_release_lacks_is_caught():
+    """The parsers' names are checked against the release's own (its choices, read from the source)."""
+    with pytest.raises(AssertionError, match="would refuse"):
+        parse(server_argv("m", port=1, tp=1, parsers=Parsers(reasoning="kimi-k2.5")))
+    with pytest.raises(AssertionError, match="would refuse"):
+        parse(server_argv("m", port=1, tp=1, parsers=Parsers(tool_call="kimi_k25")))
 
 
 def test_a_flag_the_release_lacks_is_caught():
@@ -116,6 +138,31 @@ def test_the_compose_servers_flags(tmp_path):
     assert parse(
         _served_argv(_compose_service("sglang", {"EYRIE_TRUST_REMOTE_CODE": "True"}), tmp_path)
     ).trust_remote_code
+    assert args.reasoning_parser is None and args.tool_call_parser is None  # empty: not passed
+
+
+def _readme_kimi_k25_settings() -> dict[str, str]:
+    """The settings of README.md's block that runs the real job on Kimi-K2.5."""
+    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+                if "export EYRIE_TARGET_MODEL=moonshotai/Kimi-K2.5" in b]  # fmt: skip
+    return dict(re.findall(r"^export (EYRIE_\w+)=(\S+)", block, re.M))
+
+
+def test_the_compose_server_serves_kimi_k25(tmp_path):
+    """README.md's settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
+    shell = _readme_kimi_k25_settings()
+    assert (shell["EYRIE_REASONING_PARSER"], shell["EYRIE_TOOL_CALL_PARSER"]) == (
+        KIMI_K25_PARSERS.reasoning, KIMI_K25_PARSERS.tool_call
+    )  # fmt: skip
+    args = parse(_served_argv(_compose_service("sglang", shell), tmp_path))
+    assert args.model_path == "moonshotai/Kimi-K2.5" and args.trust_remote_code is True
+    assert (args.reasoning_parser, args.tool_call_parser) == ("kimi_k2", "kimi_k2")
+    assert args.enable_weights_cpu_backup is False  # the target is larger than the host's memory
+    # 594 GB of weights fit no GPU: split over all of them, by one process
+    assert shell["EYRIE_TARGET_PLACEMENT"] in ("sharded", "offline") and shell["EYRIE_TRAIN_PROCESSES"] == "1"
+    # the server (paused) and train at once, inside the 449 GB of the host the block is for
+    service = _compose_service("sglang", shell)
+    assert int(service["mem_limit"]) + parse_size(shell["EYRIE_TRAIN_MEMORY"]) <= 449 * 10**9
 
 
 # SGLang v0.5.12 (entrypoints/http_server.py): /health_generate always runs a one-token generation;

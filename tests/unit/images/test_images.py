@@ -113,8 +113,16 @@ def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
     assert on_cpu.executor_options("docker", "accept").image == "eyrie-pipeline:local"
     assert max(s.memory for s in on_cpu.steps) <= 4 * 2**30
     # a setting from the shell reaches the file through compose
-    shell = _compose_config("compose/compose.yaml", environ={"EYRIE_QUOTA": "500"})
-    assert "500" in _pipeline_as_run_by(shell["pipeline"]).step("prep").command
+    parsers = {"EYRIE_REASONING_PARSER": "kimi_k2", "EYRIE_TOOL_CALL_PARSER": "kimi_k2"}
+    shell = _compose_config("compose/compose.yaml", environ={"EYRIE_QUOTA": "500", **parsers})
+    from_shell = _pipeline_as_run_by(shell["pipeline"])
+    assert "500" in from_shell.step("prep").command
+    # the parsers the server answering generate has, accept's servers get too
+    accept = from_shell.step("accept").command
+    for name, flag in zip(parsers, ("--reasoning-parser", "--tool-call-parser"), strict=True):
+        assert accept[accept.index(flag) + 1] == shell["sglang"]["environment"][name] == "kimi_k2"
+    unset = on_gpu.step("accept").command
+    assert unset[unset.index("--reasoning-parser") + 1] == unset[unset.index("--tool-call-parser") + 1] == ""
 
 
 def test_compose_passes_the_token_as_a_file_and_sets_no_socket_group_by_hand():

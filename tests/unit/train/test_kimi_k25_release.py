@@ -1,0 +1,63 @@
+"""Kimi-K2.5's own config.json (tests/fixtures/kimi_k25_release/, no weights): transformers loads it
+with its own ``kimi_k25`` classes, no remote code, as the target's language model and its
+quantization that the placement arithmetic (benchmarks/placement_arithmetic.py) reads."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoConfig, DeepseekV3Config
+
+from benchmarks.placement_arithmetic import KIMI_K25_RELEASE, kimi_k25
+
+SHIPPED = json.loads((KIMI_K25_RELEASE / "config.json").read_text())
+
+
+def test_the_release_loads_without_its_remote_code():
+    # The file keeps Kimi's auto_map (its own configuration_kimi_k25.py, not shipped here): with a
+    # kimi_k25 class of its own, transformers uses that one and runs nothing from the folder.
+    assert SHIPPED["auto_map"]["AutoConfig"] == "configuration_kimi_k25.KimiK25Config"
+    config = AutoConfig.from_pretrained(KIMI_K25_RELEASE, trust_remote_code=False)
+    assert type(config).__module__.startswith("transformers.models.kimi_k25.")
+    assert config.architectures == ["KimiK25ForConditionalGeneration"] and not config.tie_word_embeddings
+    # The release names its language model kimi_k2 (its remote code's); transformers reads DeepSeek-V3.
+    assert SHIPPED["text_config"]["model_type"] == "kimi_k2"
+    assert isinstance(config.text_config, DeepseekV3Config)
+
+
+def test_its_language_model_is_deepseek_v3_shaped():
+    text = AutoConfig.from_pretrained(KIMI_K25_RELEASE).text_config
+    shape = {
+        "num_hidden_layers": 61, "first_k_dense_replace": 1, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
+        "max_position_embeddings": 262144, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }  # fmt: skip
+    assert {name: getattr(text, name) for name in shape} == shape
+    rope = text.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("yarn", 64.0, 50000.0)
+    yarn = (rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"])
+    assert yarn == (4096, 32.0, 1.0)
+
+
+def test_its_routed_experts_are_int4_in_groups_of_32():
+    quantization = AutoConfig.from_pretrained(KIMI_K25_RELEASE).text_config.quantization_config
+    assert (quantization["quant_method"], quantization["format"]) == ("compressed-tensors", "pack-quantized")
+    (group,) = quantization["config_groups"].values()
+    weights = group["weights"]
+    assert (weights["type"], weights["num_bits"], weights["symmetric"]) == ("int", 4, True)
+    assert (weights["strategy"], weights["group_size"]) == ("group", 32)
+    # Every Linear but these: attention, shared experts, the dense layer's MLP and the lm_head stay bf16.
+    assert quantization["ignore"] == [
+        "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"
+    ]  # fmt: skip
+
+
+def test_the_placement_arithmetic_reads_the_release():
+    config, expert_weight_bytes = kimi_k25()
+    assert config.hidden_size == 7168 and config.num_hidden_layers == 61
+    assert getattr(config, "quantization_config", None) is None  # counted dense, then the experts as INT4
+    assert expert_weight_bytes == 4 / 8 + 2 / 32
