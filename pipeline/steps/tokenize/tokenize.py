@@ -12,9 +12,15 @@ a single sweep over both marks the tokens that overlap a span. Cost is linear in
 the conversation's length; no prefix is ever tokenized again.
 
 Spans come from ``{% generation %}`` markers when the template has them (the
-shipped Kimi-K2-style template does). A template without markers gets its spans
-from the text of rendered prefixes instead (still one tokenization; the string
-rendering grows with the number of turns), and the manifest says which method ran.
+shipped Kimi-K2-style template does). A template without markers (Kimi-K2.5's
+own) gets them from per-message probes, each at most two messages long, checked
+against the whole rendering (still linear); a conversation the template does not
+render message by message falls back to rendered prefixes, and the manifest says
+which method ran.
+
+A tiktoken-based slow tokenizer (Kimi-K2.5's) is converted to a fast one once and
+cached (``fast.py``), then checked token for token against it on the step's first
+conversations before anything is written.
 
 Rendering is Python (Jinja), tokenizing is Rust: batches of conversations go to
 forked worker processes that render, tokenize and mask them, as many as the
@@ -51,6 +57,8 @@ from pipeline.steps.tokenize.pieces import Pieces
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
+"""``kimi-k2`` is Kimi-K2-style with generation markers, not Kimi-K2.5's own template: a Kimi-K2.5
+target uses its own (``--chat-template tokenizer``)."""
 # The special tokens the Kimi-K2-style template writes: a tokenizer used with it must hold each as one token.
 KIMI_K2_SPECIAL_TOKENS = [
     "<|im_system|>",
