@@ -310,48 +310,63 @@ def prefix_spans(
     return spans
 
 
+PROBE_WINDOWS = (0, 1)
+"""How many messages before each one its probe renders, tried in turn: none (one short render per
+message), then the one before it (for templates that render a message by the one before it)."""
+
+
 def probe_spans(
-    template: ChatTemplate, messages: list[dict], tools: Any, special: dict, text: str
+    template: ChatTemplate, messages: list[dict], tools: Any, special: dict, text: str, window: int = 0
 ) -> list[tuple[int, int]] | None:
     """The prefix method's spans in linear time, or None where this conversation cannot have them so.
 
-    Each message is rendered after the one before it alone (the first after nothing): what
-    it adds to that short context is its own text, and for an assistant message what the
-    generation prompt adds is its header. The whole conversation must then read as the first
-    message's rendering followed by the others' texts, character for character; only then are
-    the spans (each assistant text less its header, at its place in the whole) the ones the
-    prefix method finds. Every probe is at most two messages long, whatever the conversation's.
+    Each message is rendered after the ``window`` messages before it alone (the first after
+    nothing): what it adds to that short context is its own text; for an assistant message,
+    what the generation prompt adds to the message before it alone is its header. The whole
+    conversation must then read as the first message's rendering followed by the others'
+    texts, character for character, and each assistant text must open with its header; only
+    then are the spans (each assistant text less its header, at its place in the whole) the
+    ones the prefix method finds. No probe is longer than ``window + 1`` messages, whatever
+    the conversation's length.
     """
     if not messages:
         return []
-    contexts = [messages[max(0, j - 1) : j] for j in range(len(messages))]
+
+    def key(start: int, end: int) -> tuple[int, int]:
+        return (start, end) if end > start else (0, 0)  # every empty context renders alike
+
     assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
-    # the first message's context (none) is rendered only with the generation prompt, for its header
-    probes = [*contexts[1:], *(messages[max(0, j - 1) : j + 1] for j in range(len(messages)))]
+    ahead = [max(0, j - window) for j in range(len(messages))]
+    wanted = {key(ahead[j], j + 1) for j in range(len(messages))}
+    wanted |= {key(ahead[j], j) for j in range(1, len(messages))}
+    wanted |= {key(max(0, j - 1), j) for j in assistant if j}
+    plain_keys = sorted(wanted)
+    prompt_keys = [key(max(0, j - 1), j) for j in assistant]
     try:
-        plain, _ = _render_all(template, probes, tools, special=special)
-        prompted = (
-            _render_all(template, [contexts[j] for j in assistant], tools, True, special)[0]
-            if assistant
-            else []
-        )
+        rendered, _ = _render_all(template, [messages[a:b] for a, b in plain_keys], tools, special=special)
+        prompts = _render_all(template, [messages[a:b] for a, b in prompt_keys], tools, True, special)[0]
     except Exception:  # a context the template cannot open with (e.g. it reads messages[0] of none)
         return None
-    context_text, through = ["", *plain[: len(messages) - 1]], plain[len(messages) - 1 :]
-    pieces = [through[0]]  # the first message with all that comes before it (system, tools)
+    plain = dict(zip(plain_keys, rendered, strict=True))
+    pieces = [plain[key(0, 1)]]  # the first message with all that comes before it (system, tools)
     for j in range(1, len(messages)):
-        if not through[j].startswith(context_text[j]):
+        through, context = plain[key(ahead[j], j + 1)], plain[key(ahead[j], j)]
+        if not through.startswith(context):
             return None
-        pieces.append(through[j][len(context_text[j]) :])
+        pieces.append(through[len(context) :])
     if "".join(pieces) != text:
         return None
-    spans, offset, prompts = [], 0, dict(zip(assistant, prompted, strict=True))
+    spans, offset = [], 0
+    headers = dict(zip(assistant, prompts, strict=True))
     for j, piece in enumerate(pieces):
-        if j in prompts:
-            ahead = len(context_text[j])  # what comes before the piece in its probes
-            if not (through[j].startswith(prompts[j]) and len(prompts[j]) >= ahead):
+        if j in headers:
+            context = plain[key(j - 1, j)] if j else ""
+            if not headers[j].startswith(context):
                 return None
-            spans.append((offset + len(prompts[j]) - ahead, offset + len(piece)))
+            header = headers[j][len(context) :]
+            if not piece.startswith(header):
+                return None
+            spans.append((offset + len(header), offset + len(piece)))
         offset += len(piece)
     return spans
 
@@ -364,9 +379,10 @@ def assistant_spans(
     text, spans = _render(template, messages, tools, special=special)
     if template.markers:
         return text, spans, False
-    probed = probe_spans(template, messages, tools, special, text)
-    if probed is not None:
-        return text, probed, False
+    for window in PROBE_WINDOWS:
+        probed = probe_spans(template, messages, tools, special, text, window)
+        if probed is not None:
+            return text, probed, False
     return text, prefix_spans(template, messages, tools, special, text), True
 
 
