@@ -16,7 +16,7 @@ TEMPLATES = ("kimi-k2", "tokenizer", "unmarked")
 def tokenizers(work: Path) -> dict[str, tuple[Path, str]]:
     """Template name -> (tokenizer folder, --chat-template): the embedded tokenizer with its own
     ChatML template (generation markers), the same template without its markers (spans from
-    rendered prefixes), and the tokenizer with the Kimi-K2 markup tokens for the shipped Kimi template."""
+    message probes), and the tokenizer with the Kimi-K2 markup tokens for the shipped Kimi template."""
     from transformers import AutoTokenizer
 
     from pipeline.embedded.tiny import CHAT_TEMPLATE, build_tokenizer

@@ -137,7 +137,7 @@ def main() -> None:
                 raw_times.append(raw_seconds)
                 fast_times.append(raw_pass(*folders[template], native, "encode_batch_fast")[0])
             raw, fast, our = median(raw_times), median(fast_times), median(our_times)
-            method = "prefix render" if template == "unmarked" else "generation markers"
+            method = "message probes" if template == "unmarked" else "generation markers"
             print(
                 f"| {template} ({method}) | {tokens} | {tokens / conversations:.0f} "
                 f"| {raw:.2f} s ({tokens / raw / 1e3:.0f}k tok/s) | {fast:.2f} s "

@@ -1,5 +1,9 @@
 """Tokenize cost per token at 1, 8 and 64 turns per conversation (goal: <= 1.2x from 1 to 64 turns).
 
+Templates: the embedded ones (``prep_common.TEMPLATES``) and ``kimi-k2.5``, the Kimi-K2.5-style
+fixture (tests/fixtures/kimi_k25): its own tiktoken tokenizer, converted to a fast one, and its
+own template, which has no generation markers (spans from per-message probes).
+
 Each conversation is k user/assistant pairs cut from the sample conversations; the
 number of conversations shrinks as k grows so every size tokenizes about the same
 number of tokens. Timed: ``Tokenizer.encode_batch`` (render, one tokenization, mask)
@@ -12,13 +16,16 @@ the loss-mask test uses as its reference (O(n^2) in turns) is timed on a few con
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.prep_common import TEMPLATES, median, sample_conversations, tokenizers
+from pipeline.run.step_contract import CACHE_DIR_ENV
 
 TURNS = (1, 8, 64)
+KIMI_K25 = "kimi-k2.5"
 
 
 def pairs() -> list[tuple[dict, dict]]:
@@ -80,16 +87,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=400_000, help="about this many tokens per size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--templates", nargs="+", default=list(TEMPLATES), choices=TEMPLATES)
+    choices = [*TEMPLATES, KIMI_K25]
+    parser.add_argument("--templates", nargs="+", default=choices, choices=choices)
     args = parser.parse_args()
     source = pairs()
     with tempfile.TemporaryDirectory() as tmp:
         folders = tokenizers(Path(tmp))
+        if KIMI_K25 in args.templates:
+            from tests.fixtures.kimi_k25.tokenizer import write_kimi_tokenizer
+
+            write_kimi_tokenizer(Path(tmp) / "kimi_k25")
+            os.environ[CACHE_DIR_ENV] = str(Path(tmp) / "cache")  # converted here, not in the user's cache
         header = ["template (mask method)", "turns", "conversations", "tokens", "us/token", "vs 1 turn"]
         print("| " + " | ".join([*header, "reference us/token"]) + " |")
         print("|---|---|---|---|---|---|---|")
         for template in args.templates:
-            encoder = Tokenizer(*folders[template])
+            if template == KIMI_K25:
+                encoder = Tokenizer(str(Path(tmp) / "kimi_k25"), "tokenizer", trust_remote_code=True)
+            else:
+                encoder = Tokenizer(*folders[template])
             per_pair = max(1, time_encode(encoder, conversations(1, 64, source), 1)[1] // 64)
             base = None
             for turns in TURNS:
@@ -99,7 +115,7 @@ def main() -> None:
                 cost = seconds / tokens * 1e6
                 base = base or cost
                 ref_seconds, ref_tokens = time_reference(encoder, batch[: max(2, 64 // turns)])
-                method = "generation markers" if encoder.template.markers else "prefix render"
+                method = "generation markers" if encoder.template.markers else "message probes"
                 reference = ref_seconds / ref_tokens * 1e6
                 print(
                     f"| {template} ({method}) | {turns} | {count} | {tokens} | {cost:.3f} "

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.step_contract import atomic_path, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import atomic_path, cache_root, step_dir_from_env, write_manifest
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 SEED = 1234
@@ -238,10 +238,6 @@ def _fingerprint(samples_dir: Path, kind: str) -> str:
 
 
 # ---------------------------------------------------------------- caching
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EYRIE_CACHE_DIR", Path.home() / ".cache" / "eyrie"))
 
 
 def _is_built(folder: Path, fingerprint: str) -> bool:

@@ -32,6 +32,7 @@ STEP_DIR_ENV = "EYRIE_STEP_DIR"
 STEP_NAME_ENV = "EYRIE_STEP_NAME"
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 FINGERPRINT_ENV = "EYRIE_STEP_FINGERPRINT"
+CACHE_DIR_ENV = "EYRIE_CACHE_DIR"
 _HASH_CHUNK = 1 << 20
 
 
@@ -299,11 +300,18 @@ def step_dir_from_env() -> Path:
     return Path(os.environ.get(STEP_DIR_ENV, os.getcwd()))
 
 
+def cache_root() -> Path:
+    """Where steps keep what they rebuild only when its inputs change (``$EYRIE_CACHE_DIR``,
+    default ``~/.cache/eyrie``): shared by runs, never part of one."""
+    return Path(os.environ.get(CACHE_DIR_ENV, Path.home() / ".cache" / "eyrie"))
+
+
 __all__ = [
     "MANIFEST_NAME",
     "Manifest",
     "atomic_path",
     "atomic_write_text",
+    "cache_root",
     "check_manifest",
     "declare_outputs",
     "final_name_of",

@@ -246,11 +246,25 @@ def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust
 
 
 def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str = "--tokenizer"):
-    """The target's own tokenizer (and chat template)."""
+    """The target's own tokenizer (and chat template).
+
+    A tokenizer that ships its own class (``auto_map`` in its tokenizer_config.json, as
+    Kimi-K2.5's tiktoken one does) is refused without ``trust_remote_code``: that class alone
+    splits text as the target does, and the fast tokenizer transformers would build in its place
+    from the BPE file alone splits by a generic pattern (contractions, digits) instead.
+    """
     from transformers import AutoTokenizer
 
+    refused = (
+        f"{option} {target}: the tokenizer ships its own code (auto_map in its tokenizer_config.json), "
+        f"which alone tokenizes as the target does; pass {REMOTE_CODE_FLAG} to run it, if you trust it"
+    )
     try:
         with _quiet_transformers():
-            return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
-        raise TargetError(_reason(exc, target, option)) from None
+        reason = refused if "trust_remote_code" in str(exc) else _reason(exc, target, option)
+        raise TargetError(reason) from None
+    if not trust_remote_code and tokenizer.init_kwargs.get("auto_map"):
+        raise TargetError(refused)  # loaded without its class: a stand-in, not the target's tokenizer
+    return tokenizer

@@ -28,7 +28,8 @@ def tokenize(
     chat_template: Annotated[
         str,
         typer.Option(
-            help=f"'{OWN_TEMPLATE}' (the folder's own), {', '.join(map(repr, SHIPPED_TEMPLATES))}, "
+            help=f"'{OWN_TEMPLATE}' (the folder's own: what Kimi-K2.5 should use), "
+            f"{', '.join(map(repr, SHIPPED_TEMPLATES))} (Kimi-K2-style, NOT Kimi-K2.5's own template), "
             "or a .jinja file."
         ),
     ] = OWN_TEMPLATE,

@@ -12,9 +12,15 @@ a single sweep over both marks the tokens that overlap a span. Cost is linear in
 the conversation's length; no prefix is ever tokenized again.
 
 Spans come from ``{% generation %}`` markers when the template has them (the
-shipped Kimi-K2-style template does). A template without markers gets its spans
-from the text of rendered prefixes instead (still one tokenization; the string
-rendering grows with the number of turns), and the manifest says which method ran.
+shipped Kimi-K2-style template does). A template without markers (Kimi-K2.5's
+own) gets them from per-message probes, each at most two messages long, checked
+against the whole rendering (still linear); a conversation the template does not
+render message by message falls back to rendered prefixes, and the manifest says
+which method ran.
+
+A tiktoken-based slow tokenizer (Kimi-K2.5's) is converted to a fast one once and
+cached (``fast.py``), then checked token for token against it on the step's first
+conversations before anything is written.
 
 Rendering is Python (Jinja), tokenizing is Rust: batches of conversations go to
 forked worker processes that render, tokenize and mask them, as many as the
@@ -33,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,10 +52,13 @@ from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_di
 from pipeline.steps.prep.adapters import kimi_tool_call_ids
 from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 from pipeline.steps.target import TargetError, load_tokenizer
+from pipeline.steps.tokenize.fast import fast_from_tiktoken
 from pipeline.steps.tokenize.pieces import Pieces
 
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 SHIPPED_TEMPLATES = {"kimi-k2": TEMPLATES_DIR / "kimi_k2.jinja"}
+"""``kimi-k2`` is Kimi-K2-style with generation markers, not Kimi-K2.5's own template: a Kimi-K2.5
+target uses its own (``--chat-template tokenizer``)."""
 # The special tokens the Kimi-K2-style template writes: a tokenizer used with it must hold each as one token.
 KIMI_K2_SPECIAL_TOKENS = [
     "<|im_system|>",
@@ -66,6 +76,11 @@ DEFAULT_MAX_LENGTH = 4096
 DEFAULT_SHARD_ROWS = 8192
 BATCH = 256
 DEFAULT_WORKER_MEMORY = "256MiB"
+CHECKED_CONVERSATIONS = 256
+"""A converted tokenizer is checked against the target's own on this many conversations of each
+file before any is tokenized: one batch, enough for a split pattern that differs to show (contractions,
+digits and whitespace runs are in nearly every conversation), and a few seconds of the slow
+tokenizer at most, where checking every row would cost more than tokenizing it."""
 OWN_TEMPLATE = "tokenizer"
 """``--chat-template`` for the template the tokenizer's folder ships (the default)."""
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -93,7 +108,10 @@ class ChatTemplate:
 
     @property
     def method(self) -> str:
-        return "generation_markers" if self.markers else "prefix_render"
+        """How the spans are found: ``generation_markers``, else ``message_probes`` (linear), which
+        falls back to ``prefix_render`` for a conversation the template does not render message by
+        message (the manifest counts those)."""
+        return "generation_markers" if self.markers else "message_probes"
 
 
 @dataclass
@@ -104,6 +122,7 @@ class Counts:
     assistant_tokens: int = 0
     truncated: int = 0
     in_pieces: int = 0
+    prefix_rendered: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
 
     def as_stats(self) -> dict[str, Any]:
@@ -114,6 +133,7 @@ class Counts:
             "assistant_tokens": self.assistant_tokens,
             "truncated": self.truncated,
             "tokenized_in_pieces": self.in_pieces,
+            "spans_from_prefixes": self.prefix_rendered,
             "rejected": dict(sorted(self.rejected.items())),
         }
 
@@ -124,6 +144,7 @@ class Counts:
         self.assistant_tokens += other.assistant_tokens
         self.truncated += other.truncated
         self.in_pieces += other.in_pieces
+        self.prefix_rendered += other.prefix_rendered
         self.rejected.update(other.rejected)
 
 
@@ -144,12 +165,16 @@ class Rows:
         entry.conversations += 1
         entry.rejected[reason] += 1
 
-    def keep(self, record: Record, ids: list[int], mask: list[int], in_pieces: bool = False) -> None:
+    def keep(
+        self, record: Record, ids: list[int], mask: list[int], in_pieces: bool = False,
+        by_prefix: bool = False,
+    ) -> None:  # fmt: skip
         """Truncated to ``max_length``; a row left with no assistant token is rejected."""
         source = record.source
         entry = self.counts.setdefault(source, Counts())
         entry.conversations += 1
         entry.in_pieces += in_pieces
+        entry.prefix_rendered += by_prefix
         if len(ids) > self.max_length:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             entry.truncated += 1
@@ -227,6 +252,28 @@ def _names_calls_by_id(template: ChatTemplate, special: dict) -> bool:
     return call["id"] in text and call["function"]["name"] not in text
 
 
+def _render_all(
+    template: ChatTemplate,
+    conversations: list[list[dict]],
+    tools: Any,
+    generation_prompt: bool = False,
+    special: dict | None = None,
+) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    # The renderer behind apply_chat_template, called directly: it returns the {% generation %}
+    # character spans, takes this conversation's own tools, and renders many in one call.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, indices = render_jinja_template(
+        conversations=conversations,
+        tools=tools,
+        chat_template=template.source,
+        return_assistant_tokens_mask=template.markers,
+        add_generation_prompt=generation_prompt,
+        **(special or {}),
+    )
+    return texts, [[tuple(span) for span in spans] for spans in indices] if template.markers else []
+
+
 def _render(
     template: ChatTemplate,
     messages: list[dict],
@@ -234,40 +281,109 @@ def _render(
     generation_prompt: bool = False,
     special: dict | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    # The renderer behind apply_chat_template, called directly: it returns the {% generation %}
-    # character spans, and takes this conversation's own tools.
-    from transformers.utils.chat_template_utils import render_jinja_template
+    texts, indices = _render_all(template, [messages], tools, generation_prompt, special)
+    return texts[0], indices[0] if template.markers else []
 
-    texts, indices = render_jinja_template(
-        conversations=[messages],
-        tools=tools,
-        chat_template=template.source,
-        return_assistant_tokens_mask=template.markers,
-        add_generation_prompt=generation_prompt,
-        **(special or {}),
+
+def _prefixes_differ(template: ChatTemplate) -> TokenizeError:
+    return TokenizeError(
+        f"chat template {template.name!r} renders a conversation's prefixes differently from the "
+        "whole; add {% generation %} markers around the assistant's output"
     )
-    return texts[0], [tuple(span) for span in indices[0]] if template.markers else []
 
 
-def assistant_spans(
-    template: ChatTemplate, messages: list[dict], tools: Any, special: dict
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of the assistant's output, in order."""
-    text, spans = _render(template, messages, tools, special=special)
-    if template.markers:
-        return text, spans
+def prefix_spans(
+    template: ChatTemplate, messages: list[dict], tools: Any, special: dict, text: str
+) -> list[tuple[int, int]]:
+    """Each assistant message's span from the conversation rendered up to it (with the generation
+    prompt) and through it: exact for any template whose prefixes render as the whole begins,
+    but the rendering grows with the square of the turns."""
+    spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before, _ = _render(template, messages[:i], tools, generation_prompt=True, special=special)
         through, _ = _render(template, messages[: i + 1], tools, special=special)
         if not (text.startswith(through) and through.startswith(before)):
-            raise TokenizeError(
-                f"chat template {template.name!r} renders a conversation's prefixes differently from the "
-                "whole; add {% generation %} markers around the assistant's output"
-            )
+            raise _prefixes_differ(template)
         spans.append((len(before), len(through)))
-    return text, spans
+    return spans
+
+
+PROBE_WINDOWS = (0, 1)
+"""How many messages before each one its probe renders, tried in turn: none (one short render per
+message), then the one before it (for templates that render a message by the one before it)."""
+
+
+def probe_spans(
+    template: ChatTemplate, messages: list[dict], tools: Any, special: dict, text: str, window: int = 0
+) -> list[tuple[int, int]] | None:
+    """The prefix method's spans in linear time, or None where this conversation cannot have them so.
+
+    Each message is rendered after the ``window`` messages before it alone (the first after
+    nothing): what it adds to that short context is its own text; for an assistant message,
+    what the generation prompt adds to the message before it alone is its header. The whole
+    conversation must then read as the first message's rendering followed by the others'
+    texts, character for character, and each assistant text must open with its header; only
+    then are the spans (each assistant text less its header, at its place in the whole) the
+    ones the prefix method finds. No probe is longer than ``window + 1`` messages, whatever
+    the conversation's length.
+    """
+    if not messages:
+        return []
+
+    def key(start: int, end: int) -> tuple[int, int]:
+        return (start, end) if end > start else (0, 0)  # every empty context renders alike
+
+    assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+    ahead = [max(0, j - window) for j in range(len(messages))]
+    wanted = {key(ahead[j], j + 1) for j in range(len(messages))}
+    wanted |= {key(ahead[j], j) for j in range(1, len(messages))}
+    wanted |= {key(max(0, j - 1), j) for j in assistant if j}
+    plain_keys = sorted(wanted)
+    prompt_keys = [key(max(0, j - 1), j) for j in assistant]
+    try:
+        rendered, _ = _render_all(template, [messages[a:b] for a, b in plain_keys], tools, special=special)
+        prompts = _render_all(template, [messages[a:b] for a, b in prompt_keys], tools, True, special)[0]
+    except Exception:  # a context the template cannot open with (e.g. it reads messages[0] of none)
+        return None
+    plain = dict(zip(plain_keys, rendered, strict=True))
+    pieces = [plain[key(0, 1)]]  # the first message with all that comes before it (system, tools)
+    for j in range(1, len(messages)):
+        through, context = plain[key(ahead[j], j + 1)], plain[key(ahead[j], j)]
+        if not through.startswith(context):
+            return None
+        pieces.append(through[len(context) :])
+    if "".join(pieces) != text:
+        return None
+    spans, offset = [], 0
+    headers = dict(zip(assistant, prompts, strict=True))
+    for j, piece in enumerate(pieces):
+        if j in headers:
+            context = plain[key(j - 1, j)] if j else ""
+            if not headers[j].startswith(context):
+                return None
+            header = headers[j][len(context) :]
+            if not piece.startswith(header):
+                return None
+            spans.append((offset + len(header), offset + len(piece)))
+        offset += len(piece)
+    return spans
+
+
+def assistant_spans(
+    template: ChatTemplate, messages: list[dict], tools: Any, special: dict
+) -> tuple[str, list[tuple[int, int]], bool]:
+    """The rendered conversation, the character spans of the assistant's output in order, and
+    whether they took the rendered prefixes (a template that does not render message by message)."""
+    text, spans = _render(template, messages, tools, special=special)
+    if template.markers:
+        return text, spans, False
+    for window in PROBE_WINDOWS:
+        probed = probe_spans(template, messages, tools, special, text, window)
+        if probed is not None:
+            return text, probed, False
+    return text, prefix_spans(template, messages, tools, special, text), True
 
 
 def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -388,6 +504,10 @@ class Tokenizer:
 
     def __init__(self, target: str, chat_template: str, trust_remote_code: bool = False):
         folder = Path(target)
+        self.own: Any | None = None
+        """The slow tokenizer the fast one was converted from: what it must agree with."""
+        self.converted: Path | None = None
+        """The cached ``tokenizer.json`` of that conversion."""
         if (folder / "tokenizer.json").is_file() and not _ships_code(folder):
             # A folder with tokenizer.json loads as a fast tokenizer directly; AutoTokenizer would
             # first import torch (seconds) for nothing.
@@ -403,10 +523,17 @@ class Tokenizer:
         else:  # a hub id, a folder without tokenizer.json, or a tokenizer class of its own
             try:
                 self.hf = load_tokenizer(target, trust_remote_code=trust_remote_code)
+                if not self.hf.is_fast:
+                    converted = fast_from_tiktoken(self.hf, target)
+                    if converted is None:
+                        raise TokenizeError(
+                            f"the tokenizer of {target} is neither a fast tokenizer (no character offsets) "
+                            "nor a tiktoken one to convert; pass a target with a tokenizer.json"
+                        )
+                    self.own = self.hf
+                    self.hf, self.converted = converted
             except TargetError as exc:
                 raise TokenizeError(str(exc)) from None
-        if not self.hf.is_fast:
-            raise TokenizeError(f"the tokenizer in {folder} is not a fast tokenizer (no character offsets)")
         self.backend = self.hf.backend_tokenizer
         # A tokenizer.json may carry truncation or padding; a conversation is cut only by --max-length.
         self.backend.no_truncation()
@@ -416,25 +543,68 @@ class Tokenizer:
         self.special = dict(self.hf.special_tokens_map)
         self.vocab_size = len(self.hf)
 
+    def render(self, messages: list[dict], tools: Any) -> tuple[str, list[tuple[int, int]], bool]:
+        """The rendered conversation, its assistant spans, and whether they took rendered prefixes."""
+        if self.template.names_calls_by_id:
+            messages = kimi_tool_call_ids(messages)
+        return assistant_spans(self.template, messages, tools, self.special)
+
+    def check_against_own(self, lines: Iterable[Line]) -> int:
+        """The converted fast tokenizer against the slow one it came from, token for token, on the
+        conversations of ``lines`` as the template renders them; returns how many were compared.
+        Raises on the first that differs, naming it and the first token where the two part."""
+        if self.own is None:
+            return 0
+        compared = 0
+        for line in lines:
+            record = parse_conversation(line)
+            try:
+                text, _, _ = self.render(record.messages, record.tools)
+            except TokenizeError:
+                raise
+            except Exception:  # rejected as render_error when tokenized; nothing to compare
+                continue
+            fast = self.backend.encode(text, add_special_tokens=False).ids
+            own = self.own.encode(text, add_special_tokens=False)
+            compared += 1
+            if fast != own:
+                same = (a == b for a, b in zip(fast, own, strict=False))
+                at = next((i for i, equal in enumerate(same) if not equal), min(len(fast), len(own)))
+                piece = [self.own.decode(ids[at : at + 1]) for ids in (fast, own)]
+                raise TokenizeError(
+                    f"{line[0]}:{line[1]}: the fast tokenizer converted from the target's own "
+                    f"({self.converted}) differs from it at token {at} ({piece[0]!r} where it has "
+                    f"{piece[1]!r}, after {self.own.decode(own[max(0, at - 8) : at])!r}); delete that "
+                    "file to convert again, and report the target if it persists"
+                )
+        return compared
+
     def encode_batch(
         self, conversations: list[tuple[list[dict], Any]]
     ) -> list[tuple[list[int], list[int], bool] | str]:
         """Per conversation: ``(input_ids, loss_mask, tokenized in pieces)``, or the reason it was
         rejected. A conversation whose span edges all touch added tokens is tokenized in pieces,
         without offsets (see ``pieces.py``); any other, whole, with offsets."""
+        return self._encode(conversations)[0]
+
+    def _encode(
+        self, conversations: list[tuple[list[dict], Any]]
+    ) -> tuple[list[tuple[list[int], list[int], bool] | str], list[bool]]:
+        """``encode_batch``'s results, and per conversation whether its spans took rendered prefixes."""
         out: list = []
+        by_prefix: list[bool] = []
         whole: list[tuple[int, str, list[tuple[int, int]]]] = []
         cut: list[tuple[int, str, list]] = []
         for messages, tools in conversations:
             try:
-                if self.template.names_calls_by_id:
-                    messages = kimi_tool_call_ids(messages)
-                text, spans = assistant_spans(self.template, messages, tools, self.special)
+                text, spans, prefixed = self.render(messages, tools)
             except TokenizeError:
                 raise
             except Exception:  # a message the template cannot render (wrong types, missing keys)
                 out.append("render_error")
+                by_prefix.append(False)
                 continue
+            by_prefix.append(prefixed)
             pieces = self.pieces.cut(text, spans) if self.pieces else None
             if pieces is None:
                 whole.append((len(out), text, spans))
@@ -460,18 +630,18 @@ class Tokenizer:
                     mask += [value] * len(piece)
                 first += len(pieces)
                 out[slot] = (ids, mask, True)
-        return out
+        return out, by_prefix
 
     def encode_lines(self, lines: list[Line], max_length: int) -> tuple[Any, dict[str, Counts]]:
         """The rows of a batch of conversation lines, in order, as an Arrow table, and their counts."""
         parsed = [parse_conversation(line) for line in lines]
         rows = Rows(max_length)
-        results = self.encode_batch([(record.messages, record.tools) for record in parsed])
-        for record, result in zip(parsed, results, strict=True):
+        results, by_prefix = self._encode([(record.messages, record.tools) for record in parsed])
+        for record, result, prefixed in zip(parsed, results, by_prefix, strict=True):
             if isinstance(result, str):
                 rows.reject(record.source, result)
             else:
-                rows.keep(record, *result)
+                rows.keep(record, *result, by_prefix=prefixed)
         return rows.table(), rows.counts
 
 
@@ -574,6 +744,9 @@ def tokenize(
         if not conversations and not tokenized:
             raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
         encoder = Tokenizer(target, chat_template, trust_remote_code)
+        checked = encoder.check_against_own(
+            line for path in conversations for line in islice(read_lines(path), CHECKED_CONVERSATIONS)
+        )
     except TokenizeError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
@@ -581,10 +754,17 @@ def tokenize(
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     invalidate_manifest(step_dir)
+    if encoder.converted is not None:
+        console.print(
+            f"tokenize: the target's tiktoken tokenizer as a fast one ({encoder.converted}), the same "
+            f"tokens as its own on the first {checked} conversation(s)",
+            markup=False,
+        )
     if not encoder.template.markers:
         console.print(
             f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "
-            "spans come from rendered prefixes (one tokenization, but rendering grows with the turns)",
+            "spans come from each message rendered after the one before it, checked against the whole "
+            "(a conversation that does not render so takes its rendered prefixes: the manifest counts them)",
             markup=False,
         )
     per_source: dict[str, Counts] = {}
@@ -631,13 +811,18 @@ def tokenize(
     totals = Counts()
     for entry in per_source.values():
         totals.add(entry)
+    method = encoder.template.method
+    if totals.prefix_rendered:
+        method = "prefix_render" if totals.prefix_rendered == totals.rows else f"{method}+prefix_render"
+    tokenizer_stats = {"converted": str(encoder.converted), "checked_conversations": checked}
     write_manifest(
         step_dir,
         [SHARDS],
         records={SHARDS: writer.rows},
         stats={
             "chat_template": encoder.template.name,
-            "mask_method": encoder.template.method,
+            "mask_method": method,
+            **({"tokenizer": tokenizer_stats} if encoder.converted is not None else {}),
             "max_length": max_length,
             "shards": writer.shards,
             "workers": worker_facts,

@@ -53,7 +53,7 @@ def test_one_pass_mask_matches_prefix_reference_on_every_sample(
 ):
     folder = kimi_tokenizer if template == "kimi-k2" else tiny_tokenizer
     tokenizer = Tokenizer(folder, str(unmarked_template) if template == "unmarked" else template)
-    assert tokenizer.template.method == ("prefix_render" if template == "unmarked" else "generation_markers")
+    assert tokenizer.template.method == ("message_probes" if template == "unmarked" else "generation_markers")
     batch = [(record["conversations"], record.get("tools")) for _, record in sample_conversations]
     assert len(batch) > 200 and len({name for name, _ in sample_conversations}) == 9
     encoded = tokenizer.encode_batch(batch)
