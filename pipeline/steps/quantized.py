@@ -227,17 +227,21 @@ def _is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def _group_of(name: str, module: nn.Module, groups: list[tuple[Any, str]], ignore: list[str]):
+def _group_of(names: tuple[str, ...], module: nn.Module, groups: list[tuple[Any, str]], ignore: list[str]):
+    """The (scheme, format) quantizing a module known by ``names``: its name in the checkpoint and in
+    the language model, as a wrapper's quantization config may be written in either."""
     from compressed_tensors.utils.match import is_match
 
+    if ignore and any(is_match(name, module, ignore) for name in names):
+        return None
     for scheme, fmt in groups:
-        if is_match(name, module, scheme.targets, ignore):
+        if any(is_match(name, module, scheme.targets) for name in names):
             return scheme, fmt
     return None
 
 
 def hold_packed(
-    model: nn.Module, config: Any, prefix: str = "", scale_dtype: torch.dtype | None = None
+    model: nn.Module, config: Any, prefix: str = "", scale_dtype: torch.dtype = torch.bfloat16
 ) -> int:
     """Replace the modules ``config``'s compressed-tensors quantization targets with packed ones,
     in place (on any device, meta included); returns how many were replaced.
@@ -252,7 +256,7 @@ def hold_packed(
     for name, module in list(model.named_modules()):
         full = f"{prefix}{name}"
         if isinstance(module, nn.Linear):
-            found = _group_of(full, module, groups, ignore)
+            found = _group_of((full, name), module, groups, ignore)
             if found is not None:
                 parent, _, child = name.rpartition(".")
                 packed = PackedLinear(module, *found, scale_dtype)
@@ -261,7 +265,11 @@ def hold_packed(
         elif _is_fused_experts(module):
             # Each expert's projections as the checkpoint names them, matched as the Linear they were.
             probe = nn.Linear(1, 1, device="meta")
-            found = [_group_of(f"{full}.0.{p}", probe, groups, ignore) for ps in _FUSED.values() for p in ps]
+            found = [
+                _group_of((f"{full}.0.{p}", f"{name}.0.{p}"), probe, groups, ignore)
+                for ps in _FUSED.values()
+                for p in ps
+            ]
             if found[0] is not None and all(group and group[0] is found[0][0] for group in found):
                 _hold_fused_experts(module, *found[0], scale_dtype)
                 module.config._experts_implementation_internal = PACKED_EXPERTS
@@ -373,14 +381,16 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[child] = value
 
 
-def _dequantized(checkpoint: Checkpoint, key: str, config: Any, count: int) -> torch.Tensor | None:
+def _dequantized(
+    checkpoint: Checkpoint, prefix: str, key: str, config: Any, count: int
+) -> torch.Tensor | None:
     """A dense weight the checkpoint stores packed, dequantized (for a target held dense on purpose)."""
     quantization = quantization_of(config)
     groups, ignore = _schemes(quantization), list(quantization.get("ignore") or [])
     probe = nn.Linear(1, 1, device="meta")
 
     def one(module_key: str) -> torch.Tensor | None:
-        found = _group_of(module_key, probe, groups, ignore)
+        found = _group_of((module_key, module_key.removeprefix(prefix)), probe, groups, ignore)
         if found is None or f"{module_key}.weight_packed" not in checkpoint:
             return None
         stored = {
@@ -420,7 +430,9 @@ def load_held(
         else:
             value = _stacked_experts(checkpoint, prefix, name, tensor.shape[0])
             if value is None and quantization_of(config):
-                value = _dequantized(checkpoint, key, config, tensor.shape[0] if tensor.dim() == 3 else 0)
+                value = _dequantized(
+                    checkpoint, prefix, key, config, tensor.shape[0] if tensor.dim() == 3 else 0
+                )
             if value is None:
                 if tied and tensor is head.weight:
                     continue  # a tied lm_head is the embedding: tied below
