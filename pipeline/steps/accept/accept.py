@@ -50,7 +50,7 @@ from pipeline.steps.sglang import (
     gpus_released,
     sglang_server,
 )
-from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.target import TargetError, check_target, language_config, target_config
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
@@ -112,7 +112,7 @@ def check(settings: Settings) -> None:
         )
     try:
         check_target(settings.target, "--target")
-        target = target_config(settings.target, trust_remote_code=settings.trust_remote_code)
+        target = language_config(target_config(settings.target, trust_remote_code=settings.trust_remote_code))
     except TargetError as exc:
         raise AcceptError(str(exc)) from None
     from pipeline.steps.train.export import check_draft  # torch: imported when a draft is checked
