@@ -1,15 +1,18 @@
 """Kimi-K2.5's own config.json (tests/fixtures/kimi_k25_release/, no weights): transformers loads it
 with its own ``kimi_k25`` classes, no remote code, as the target's language model and its
-quantization that the placement arithmetic (benchmarks/placement_arithmetic.py) reads."""
+quantization; the planner (benchmarks/placement_arithmetic.py) accepts it on the seeds' host."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoConfig, DeepseekV3Config
 
-from benchmarks.placement_arithmetic import KIMI_K25_RELEASE, kimi_k25
+from benchmarks.placement_arithmetic import KIMI_K25_RELEASE, kimi_plan
+from pipeline.steps.train.placement import Device, PlacementError
 
+GiB = 1024**3
 SHIPPED = json.loads((KIMI_K25_RELEASE / "config.json").read_text())
 
 
@@ -56,8 +59,19 @@ def test_its_routed_experts_are_int4_in_groups_of_32():
     ]  # fmt: skip
 
 
-def test_the_placement_arithmetic_reads_the_release():
-    config, expert_weight_bytes = kimi_k25()
-    assert config.hidden_size == 7168 and config.num_hidden_layers == 61
-    assert getattr(config, "quantization_config", None) is None  # counted dense, then the experts as INT4
-    assert expert_weight_bytes == 4 / 8 + 2 / 32
+def test_the_planner_accepts_kimi_k25_on_the_seeds_host_sharded_and_offline():
+    sharded, units = kimi_plan("sharded")
+    assert units.holding == "packed" and units.left_out > 0  # the vision tower, never loaded
+    devices = sharded.as_dict()["devices"]
+    assert len(devices) == 8 and sum(len(d["layers"]) for d in devices) == 61
+    for device in devices:  # every GPU within its usable share, the experts held packed
+        assert 0 < device["planned_bytes"] <= Device("cuda", device["free_bytes"]).usable
+        assert device["packed_bytes"] > device["dense_bytes"] and device["transient_bytes"] > 0
+    weights = sum(d["weight_bytes"] for d in devices)
+    assert 540 * GiB < weights < 570 * GiB  # ~595 GB as stored: packed experts and scales, bf16 rest
+    offline, _ = kimi_plan("offline")
+    assert offline.placement == "offline" and len(offline.features.shares) == 8
+    with pytest.raises(PlacementError):
+        kimi_plan("replicated")
+    with pytest.raises(PlacementError, match="TiB"):  # dequantized, ~2 TB: what transformers alone would hold
+        kimi_plan("sharded", dequantize=True)
