@@ -67,7 +67,7 @@ def test_the_step_says_so_in_one_line(tmp_path, monkeypatch, capsys):
         None, data=tmp_path / "shards", target=tmp_path / "target", batch_size=4, heldout_fraction=0.0
     )
     assert code == EXIT_BAD_INPUT
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eyrie train:")]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert said == [
         "error: 3 training rows are fewer than one optimizer step takes (batch size 4 x 1 processes): "
         "lower --batch-size or --nproc, or give more data"

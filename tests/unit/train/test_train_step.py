@@ -150,7 +150,7 @@ def test_bad_settings_are_one_line_errors_also_under_torchrun(small_run, tmp_pat
     argv = [*EYRIE, "train", "--data", str(small_run["data"]), "--target", str(weightless), "--nproc", "2"]
     done = _run(argv, tmp_path / "ddp")
     assert done.returncode == 2, done.stderr[-3000:]
-    said = [line for line in done.stderr.splitlines() if line.startswith("eyrie train:")]
+    said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(said) == 1 and "cannot load the model" in said[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "rerun" not in done.stderr
     assert not (tmp_path / "ddp" / "manifest.json").exists()
