@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,23 +53,19 @@ class Holding:
     weights packed) or ``stored`` (transformers runs the format as stored, on a GPU)."""
 
     kind: str
-    method: str | None = None
     bytes_per_weight: float | None = None
     """For ``stored``: bytes per quantized weight as held."""
 
 
 def quantization_of(config: Any) -> dict:
     """The target's quantization config as a dict (the language model's, or the wrapper's)."""
-    for candidate in (config, _text_config(config)):
+    from pipeline.steps.target import language_config
+
+    for candidate in (config, language_config(config)):
         quantization = getattr(candidate, "quantization_config", None)
         if quantization:
             return quantization if isinstance(quantization, dict) else quantization.to_dict()
     return {}
-
-
-def _text_config(config: Any) -> Any:
-    getter = getattr(config, "get_text_config", None)
-    return getter(decoder=True) if getter is not None else config
 
 
 def holding(config: Any, device_type: str, dense_bytes: int) -> Holding:
@@ -83,12 +78,12 @@ def holding(config: Any, device_type: str, dense_bytes: int) -> Holding:
         schemes = _schemes(quantization)
         kinds = {scheme.weights.type for scheme, _ in schemes if scheme.weights is not None}
         if kinds <= {"int"}:
-            return Holding("packed", method)
+            return Holding("packed")
         if kinds == {"float"} and all(s.weights.num_bits == 8 for s, _ in schemes) and device_type == "cuda":
-            return Holding("stored", method, _STORED_ON_GPU["fp8"])
+            return Holding("stored", _STORED_ON_GPU["fp8"])
         reason = "only its INT formats are held packed, FP8 as stored on a GPU"
     elif method in _STORED_ON_GPU and device_type == "cuda":
-        return Holding("stored", method, _STORED_ON_GPU[method])
+        return Holding("stored", _STORED_ON_GPU[method])
     elif method in _STORED_ON_GPU:
         reason = "transformers runs it as stored only on a GPU"
     else:
@@ -252,7 +247,7 @@ def hold_packed(
     quantization = quantization_of(config)
     groups = _schemes(quantization)
     ignore = list(quantization.get("ignore") or [])
-    replaced = 0
+    replaced = fused = 0
     for name, module in list(model.named_modules()):
         full = f"{prefix}{name}"
         if isinstance(module, nn.Linear):
@@ -272,10 +267,11 @@ def hold_packed(
             ]
             if found[0] is not None and all(group and group[0] is found[0][0] for group in found):
                 _hold_fused_experts(module, *found[0], scale_dtype)
-                module.config._experts_implementation_internal = PACKED_EXPERTS
-                _register_experts_implementation()
-                replaced += 1
-    return replaced
+                fused += 1
+    if fused:  # the fused experts' forward, through transformers' own switch
+        _register_experts_implementation()
+        model.set_experts_implementation(PACKED_EXPERTS)
+    return replaced + fused
 
 
 def largest_transient(module: nn.Module, dtype: torch.dtype) -> int:
@@ -287,10 +283,8 @@ def largest_transient(module: nn.Module, dtype: torch.dtype) -> int:
         if isinstance(child, PackedLinear):
             largest = max(largest, child.dense_bytes(dtype))
         elif hasattr(child, "gate_up_proj_weight_packed"):
-            count, rows, _ = child.gate_up_proj_weight_packed.shape
-            hidden, _ = child.down_proj_weight_packed.shape[1:]
-            inner = rows // 2
-            largest = max(largest, 3 * inner * hidden * element)
+            rows, hidden = child.gate_up_proj_weight_packed.shape[1], child.down_proj_weight_packed.shape[1]
+            largest = max(largest, 3 * rows // 2 * hidden * element)  # gate and up, then down
     return largest
 
 
@@ -338,9 +332,6 @@ class Checkpoint:
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
         return self._open[file].get_tensor(name)
-
-    def names(self) -> Iterator[str]:
-        return iter(self.files)
 
 
 _EXPERT_TENSOR = re.compile(

@@ -118,7 +118,7 @@ def language_model(
     from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from pipeline.steps.quantized import Holding, hold_packed, holding
+    from pipeline.steps.quantized import HeldFormatError, Holding, hold_packed, holding, quantization_of
 
     text = language_config(config)
     with init_empty_weights(include_buffers=False), _quiet_transformers():
@@ -139,7 +139,17 @@ def language_model(
             )
     model.tie_weights()  # the empty-weights context replaced the tied parameters with copies
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    held = Holding("dense") if dequantize else holding(config, device_type, dense)
+    stored = holding(config, device_type, dense) if text is not config or not dequantize else Holding("dense")
+    if stored.kind == "stored" and text is not config:
+        # transformers runs FP8/MXFP4 as stored only through its own loading of the whole model;
+        # eyrie's loader of a wrapper's language model reads only compressed-tensors INT weights.
+        raise HeldFormatError(
+            f"the target is a vision-language wrapper whose language model is stored as "
+            f"{quantization_of(config).get('quant_method')!r}: eyrie loads a wrapper's language model "
+            "itself and reads only compressed-tensors INT weights; use a checkpoint of the language "
+            "model alone"
+        )
+    held = Holding("dense") if dequantize else stored
     if held.kind == "packed":
         scale = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         hold_packed(model, config, prefix, scale_dtype=scale)

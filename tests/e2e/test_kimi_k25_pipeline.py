@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -45,8 +46,6 @@ def _settings(target, url, cache, placement: str) -> dict[str, str]:
 
 
 def _run(run_dir, settings) -> None:
-    import subprocess
-
     env = {**os.environ, **settings}
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(PIPELINE), "--run-dir", str(run_dir)],

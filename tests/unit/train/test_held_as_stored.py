@@ -116,3 +116,12 @@ def test_other_formats_are_refused_with_their_dense_size(method):
     with pytest.raises(HeldFormatError) as refused:
         holding(quantized(LLAMA, {"quant_method": method, "bits": 4}), "cuda", 5 * GiB)
     assert f"'{method}'" in str(refused.value) and "5.00 GiB" in str(refused.value)
+
+
+def test_a_wrapper_stored_in_fp8_is_refused_before_its_weights_are_read_without_scales():
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    text = quantized(MOE, {"quant_method": "fp8", "weight_block_size": [128, 128]}).to_dict()
+    wrapper = Kimi_K25Config(text_config=text)
+    with pytest.raises(HeldFormatError, match="vision-language wrapper .* 'fp8'"):
+        units(wrapper, device_type="cuda")
