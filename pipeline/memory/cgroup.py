@@ -59,11 +59,13 @@ def _write(path: Path, value: str) -> None:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """One reading of a cgroup. ``total`` includes page cache; ``anon`` is anonymous memory only."""
+    """One reading of a cgroup. ``total`` includes page cache; ``anon`` is anonymous memory only;
+    ``major_faults`` counts, since the cgroup began, pages its processes had to read back in."""
 
     total: int
     anon: int
     file: int
+    major_faults: int = 0
 
 
 class Cgroup:
@@ -199,7 +201,8 @@ class CgroupV1(Cgroup):
         # total_* are hierarchical (this cgroup and its children); plain keys are not.
         anon = stat.get("total_rss", stat.get("rss", 0))
         file = stat.get("total_cache", stat.get("cache", 0))
-        return MemorySample(total=self.usage(), anon=anon, file=file)
+        faults = stat.get("total_pgmajfault", stat.get("pgmajfault", 0))
+        return MemorySample(total=self.usage(), anon=anon, file=file, major_faults=faults)
 
     def working_set(self) -> int:
         stat = self.stat()
@@ -240,7 +243,12 @@ class CgroupV2(Cgroup):
 
     def sample(self) -> MemorySample:
         stat = self.stat()
-        return MemorySample(total=self.usage(), anon=stat.get("anon", 0), file=stat.get("file", 0))
+        return MemorySample(
+            total=self.usage(),
+            anon=stat.get("anon", 0),
+            file=stat.get("file", 0),
+            major_faults=stat.get("pgmajfault", 0),
+        )
 
     def working_set(self) -> int:
         return max(0, self.usage() - self.stat().get("inactive_file", 0))

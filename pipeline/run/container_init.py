@@ -79,7 +79,7 @@ def _wait_main(main_pid: int) -> int:
 def run(report_path: Path, argv: list[str]) -> int:
     _become_subreaper()
     cgroup = current_cgroup()
-    monitor = CgroupMonitor(cgroup)
+    monitor = CgroupMonitor(cgroup, on_thrash=lambda: _signal_all(cgroup, signal.SIGKILL))
 
     stop_signal: list[int] = []
 
@@ -132,6 +132,7 @@ def run(report_path: Path, argv: list[str]) -> int:
         "peak_bytes": facts.peak_bytes,
         "anon_peak_bytes": facts.anon_peak_bytes,
         "timeline": facts.timeline,
+        "thrash": facts.thrash,
     }
     tmp = report_path.with_name(f".{report_path.name}.tmp")
     tmp.write_text(json.dumps(report), encoding="utf-8")

@@ -286,6 +286,7 @@ class DockerAttempt:
             started_at=self.started_at,  # before the container started: its start-up is the step's time too
             ended_at=facts["ended_at"],
             timeline=[tuple(point) for point in facts["timeline"]],
+            thrash=facts.get("thrash"),
             stopped_by=self._stopped_by,
             stderr_tail=list(self._err.tail),
             where=self.where,

@@ -121,6 +121,8 @@ class Outcome:
     """Set when waiting for or stopping the attempt raised: how it really ended is unknown."""
     evidence: str | None = None
     """Where the facts came from when not from the step's own cgroup (an engine's or scheduler's view)."""
+    thrash: str | None = None
+    """Set when the runner killed the attempt for thrashing at its memory limit: the evidence."""
 
     @property
     def oom_kills(self) -> int:

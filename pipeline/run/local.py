@@ -36,7 +36,7 @@ class LocalAttempt:
         self._stopped_by: str | None = None
         self.started_at = time.time()
         env = {**launch.env, "PYTHONUNBUFFERED": "1"}
-        self.monitor = CgroupMonitor(cgroup)
+        self.monitor = CgroupMonitor(cgroup, on_thrash=lambda: cgroup.kill_all(signal.SIGKILL))
         self.proc = subprocess.Popen(
             ["/bin/sh", "-c", _TRAMPOLINE, "eyrie-step", str(cgroup.path / "cgroup.procs"), *launch.argv],
             cwd=launch.cwd,
@@ -79,6 +79,7 @@ class LocalAttempt:
             stopped_by=self._stopped_by,
             stderr_tail=list(self._err.tail),
             where=self.where,
+            thrash=report.thrash,
         )
 
     def stop(self, reason: str) -> None:

@@ -6,6 +6,14 @@ every 0.1 s, which alone keeps the recorded time of an OOM kill within a
 fraction of a second (the ledger's promise is "within a second"). Timeline
 points are kept about once a second, each the maximum of its window, so a
 short spike is not lost between points.
+
+A cgroup whose anonymous memory fills its limit can live-lock instead of being
+OOM-killed: the kernel keeps reclaiming the processes' own program text, which
+they read straight back in, so reclaim never fails and the OOM killer never
+runs (four cicc's under 2.5 GiB stayed at the limit for 7 minutes, reading
+~70 pages a second back in). As systemd-oomd does on memory pressure, the
+monitor calls such an attempt out of memory once it has stayed so for
+``THRASH_S`` seconds, and its owner kills it.
 """
 
 from __future__ import annotations
@@ -14,15 +22,23 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.memory import Cgroup
+from pipeline.memory import Cgroup, MemorySample
 from pipeline.memory.events import event_notifier
+from pipeline.memory.units import format_size
 
 POLL_S = 0.1
 FAST_POLL_S = 0.005
 FAST_WINDOW_S = 0.5
 TIMELINE_S = 1.0
+THRASH_S = 20.0
+# Pages read back in per second, on average over THRASH_S, that make "at the limit" thrashing.
+THRASH_FAULTS_PER_S = 10
+# Anonymous memory within this much of the limit (or 2% of it, if more) leaves the page cache
+# too little room for the processes' own code.
+THRASH_HEADROOM = 64 * 2**20
 
 
 @dataclass
@@ -33,11 +49,52 @@ class MonitorReport:
     peak_bytes: int | None
     anon_peak_bytes: int | None
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    thrash: str | None = None
+    """The evidence, when the attempt was called out of memory for thrashing at its limit."""
+
+
+class ThrashWatch:
+    """Tells when anonymous memory has held a cgroup at its limit for ``after_s`` seconds while
+    its processes kept reading their pages back in."""
+
+    def __init__(self, limit: int | None, after_s: float = THRASH_S) -> None:
+        self.limit = limit
+        self.after_s = after_s
+        self._since: tuple[float, int] | None = None
+
+    def observe(self, now: float, sample: MemorySample) -> str | None:
+        """The evidence once the cgroup has thrashed for ``after_s``; None until then."""
+        if self.limit is None or sample.anon < self.limit - max(THRASH_HEADROOM, self.limit // 50):
+            self._since = None
+            return None
+        if self._since is None:
+            self._since = (now, sample.major_faults)
+            return None
+        since, faults_then = self._since
+        held_s = now - since
+        if held_s < self.after_s:
+            return None
+        read_back = sample.major_faults - faults_then
+        if read_back < THRASH_FAULTS_PER_S * held_s:
+            self._since = (now, sample.major_faults)  # at the limit but steady: not thrashing
+            return None
+        return (
+            f"its anonymous memory held {format_size(sample.anon)} of its {format_size(self.limit)} "
+            f"limit for {held_s:.0f} s, leaving {format_size(sample.file)} of page cache, while it "
+            f"read {read_back} pages back in ({read_back / held_s:.0f}/s): thrashing, which the "
+            "kernel never OOM-kills"
+        )
 
 
 class CgroupMonitor:
-    def __init__(self, cgroup: Cgroup) -> None:
+    def __init__(
+        self, cgroup: Cgroup, on_thrash: Callable[[], None] | None = None, thrash_after_s: float = THRASH_S
+    ) -> None:
+        """``on_thrash``, where given, is called once, to kill the attempt, when it thrashes."""
         self.cgroup = cgroup
+        self._on_thrash = on_thrash
+        self._watch = ThrashWatch(cgroup.limit(), thrash_after_s) if on_thrash else None
+        self._thrash: str | None = None
         self.started = time.time()
         self._before = cgroup.oom_kills()
         self._last_kills = self._before
@@ -73,6 +130,10 @@ class CgroupMonitor:
         if now - self._window_start >= TIMELINE_S:
             self._timeline.append((round(now - self.started, 3), *self._window))
             self._window, self._window_start = (0, 0), now
+        if self._watch is not None and self._thrash is None:
+            self._thrash = self._watch.observe(now, sample)
+            if self._thrash is not None:
+                self._on_thrash()
 
     def _loop(self) -> None:
         fast_until = 0.0
@@ -110,4 +171,5 @@ class CgroupMonitor:
             peak_bytes=max(kernel_peak or 0, self._total_peak) or None,
             anon_peak_bytes=self._anon_peak or None,
             timeline=self._timeline,
+            thrash=self._thrash,
         )

@@ -532,7 +532,7 @@ class SlurmAttempt:
                 oom_at=facts["oom_at"], peak_bytes=facts["peak_bytes"],
                 anon_peak_bytes=facts["anon_peak_bytes"], started_at=facts["started_at"],
                 ended_at=facts["ended_at"], timeline=[tuple(p) for p in facts["timeline"]],
-                evidence=evidence, **common,
+                thrash=facts.get("thrash"), evidence=evidence, **common,
             )  # fmt: skip
         missing = f"{expected - len(reports)} of {expected} in-job report(s) missing"
         if state is None:
@@ -594,6 +594,7 @@ def _merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "started_at": min(r["started_at"] for r in reports),
         "ended_at": max(r["ended_at"] for r in reports),
         "timeline": largest["timeline"],
+        "thrash": next((r["thrash"] for r in reports if r.get("thrash")), None),
     }
 
 
@@ -601,8 +602,10 @@ def report_path(launch: Launch) -> Path:
     """Where the in-job wrapper writes its report (with ``nodes``: one per node, ``….node-N.json``)."""
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.slurm.json")
 
+
 def job_name(launch: Launch) -> str:
     return f"eyrie-{launch.run_id}-{launch.step}-{launch.attempt}"
+
 
 def batch_script(launch: Launch) -> str:
     """The job's script: the step under the in-job wrapper, through srun when it asks for nodes."""
@@ -626,6 +629,7 @@ def batch_script(launch: Launch) -> str:
     ]
     return "\n".join(lines) + "\n"
 
+
 def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     options = launch.options if isinstance(launch.options, SlurmOptions) else SlurmOptions()
     argv = [
@@ -643,6 +647,7 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
         if value is not None:
             argv.append(f"{flag}={value}")
     return [*argv, *options.sbatch_args, str(script)]
+
 
 def exported_names(launch: Launch, options: SlurmOptions) -> list[str]:
     """The variables of the launch's environment the job gets: the step's own, and those the

@@ -1,7 +1,8 @@
 """One verdict per attempt, decided from evidence (README.md, "Reading the ledger").
 
 Exit 137 is not evidence of an OOM kill, and neither is Docker's OOMKilled
-flag: only the cgroup's OOM-kill counter rising during the attempt is.
+flag: only the cgroup's OOM-kill counter rising during the attempt is, or the
+runner's own kill of an attempt that thrashed at its limit (``run/monitor.py``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def _decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> De
         return Decision(Verdict.PREEMPTED, f"the scheduler preempted it for another job; {ended}")
     if outcome.stopped_by == "node_failed":
         return Decision(Verdict.NODE_FAILED, f"its node failed; {ended}")
+    if outcome.oom_kills == 0 and outcome.thrash is not None:
+        return Decision(Verdict.OOM_KILLED, f"the runner killed it out of memory: {outcome.thrash}; {ended}")
     if outcome.oom_kills > 0:
         counter = f"oom_kill went {outcome.oom_kills_before}→{outcome.oom_kills_after} in its cgroup"
         if outcome.signal == signal.SIGKILL:

@@ -137,6 +137,28 @@ steps:
     assert "after oom_killed" in attempts[1]["limit_reason"]
 
 
+def test_a_step_thrashing_at_its_limit_is_killed_out_of_memory_not_left_to_live_lock(tmp_path):
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: thrashes
+    command: [PYTHON, SCENARIO, thrash, "200", "240"]
+    memory: 256MiB
+    retries: 0
+    outputs: [result.txt]
+""",
+    )
+    started = time.monotonic()
+    result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), timeout=200)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert time.monotonic() - started < 120  # not the scenario's own 240 s
+    [attempt] = attempts_json(tmp_path / "run")
+    assert (attempt["verdict"], attempt["signal"], attempt["oom_kills"]) == ("oom_killed", signal.SIGKILL, 0)
+    assert "the runner killed it out of memory" in attempt["reason"]
+    assert "thrashing" in attempt["reason"] and "of its 256.00 MiB limit" in attempt["reason"]
+
+
 def test_failed_step_is_not_retried_blindly_and_blocks_dependents(tmp_path):
     pipeline = write_pipeline(
         tmp_path,

@@ -80,6 +80,26 @@ def hold() -> None:
     del held
 
 
+def thrash() -> None:
+    """Hold ``sys.argv[2]`` MiB and read a 64 MiB file over and over for ``sys.argv[3]`` seconds,
+    then succeed. Under a limit a little above the held memory the page cache cannot keep the
+    file, so each pass reads it back in from disk: reclaim always frees a page, and the kernel
+    never OOM-kills it."""
+    import mmap
+
+    pages = "pages.bin"
+    with open(pages, "wb") as out:
+        out.write(os.urandom(64 * MIB))
+        os.fsync(out.fileno())
+    held = bytearray(int(sys.argv[2]) * MIB)
+    held[::4096] = b"\x01" * len(range(0, len(held), 4096))  # written, so every page is charged
+    deadline = time.monotonic() + float(sys.argv[3])
+    with open(pages, "rb") as data, mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        while time.monotonic() < deadline:
+            sum(mapped[offset] for offset in range(0, len(mapped), 4096))
+    succeed()
+
+
 def memory_error() -> None:
     bytearray(1 << 50)  # 1 PiB: malloc refuses at once, no page is touched, nothing is killed
 
@@ -87,7 +107,7 @@ def memory_error() -> None:
 SCENARIOS = {
     f.__name__: f
     for f in (succeed, oom, child_oom, write_then_abort, segfault, exception, sleep,
-              killed_from_outside, memory_error, allocate, hold)
+              killed_from_outside, memory_error, allocate, hold, thrash)
 }  # fmt: skip
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pipeline.memory import step_parent
 from pipeline.run.executor import Launch
 from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
+from pipeline.run.verdict import OOM_KILL_VERDICTS, decide
 
 CUDA_HOME = Path("/usr/local/cuda-13.0")
 NVCC = CUDA_HOME / "bin" / "nvcc"
@@ -82,7 +83,9 @@ def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path:
         )  # fmt: skip
     )
     outcome = attempt.wait()
-    assert outcome.oom_kills >= 1, "four 0.9 GiB compiles at once should not fit 2.5 GiB"
+    # Killed by the kernel, or by the runner once the compiles thrash at the limit (run/monitor.py).
+    verdict = decide(outcome, False, "no object files").verdict
+    assert verdict in OOM_KILL_VERDICTS, "four 0.9 GiB compiles at once should not fit 2.5 GiB"
     assert outcome.exit_code != 0
 
     # Nothing measured: every job holds the conservative default (here the whole budget),
@@ -138,7 +141,7 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
 
     rows = Ledger(tmp_path / "run", create=False).attempts("big_a.cu")
     assert [r.verdict for r in rows][0] in ("oom_killed", "child_oom_killed")
-    assert rows[0].oom_kills >= 1
+    assert rows[0].oom_kills >= 1 or "thrashing" in rows[0].reason
     assert [r.verdict for r in rows][1:] == ["succeeded"]
     assert rows[1].limit_bytes > rows[0].limit_bytes
     # The build learned the real figure for the rest of the build (and the next one).
