@@ -51,7 +51,11 @@ lint: venv
 # a wheelhouse prepared on the host by images/wheelhouse.sh (see
 # images/pipeline/Dockerfile).
 IMAGES_DIR := build/images
-FLASH_ATTN_WHEELS ?= build/flash-attn
+# One folder per flash-attn version, GPU archs, torch and CUDA: a wheel is built once for them.
+FLASH_ATTN_WHEELS ?= build/flash-attn/$(FLASH_ATTN_VERSION)-sm$(subst ;,-,$(FLASH_ATTN_ARCHS))-$(subst ==,-,$(TORCH_SPEC))$(if $(TORCH_INDEX),-$(notdir $(TORCH_INDEX)))
+# On a host with NVIDIA GPUs, `make images` builds flash-attn first when that folder has no wheel
+# (GPU_HOST= leaves it out).
+GPU_HOST ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 PIPELINE_EXTRAS := ml,generate,docker,quantized
 ifeq ($(base),local)
 IMAGE_TAG ?= local
@@ -67,7 +71,7 @@ TORCH_SPEC ?= torch==2.13.0
 # CUDA 13.0 builds of torch run on the CUDA 13.1 runtime base.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
 endif
-# The flash-attn wheel `make flash-attn-wheel` exported, for the image's Python.
+# The flash-attn wheel `make flash-attn-wheel` exported, for the image's Python, before the build.
 FLASH_ATTN_WHEEL = $(wildcard $(FLASH_ATTN_WHEELS)/flash_attn-*-cp$(subst .,,$(WHEEL_PYTHON))-*.whl)
 
 .PHONY: images image-base
@@ -76,10 +80,12 @@ ifeq ($(base),local)
 	images/base/build.sh
 endif
 
-images: venv image-base
-	$(if $(FLASH_ATTN_WHEEL),,@echo "wheelhouse: no flash-attn wheel for Python $(WHEEL_PYTHON) in $(FLASH_ATTN_WHEELS); the image is built without flash-attn")
+images: venv image-base $(if $(and $(GPU_HOST),$(if $(FLASH_ATTN_WHEEL),,missing)),flash-attn-wheel)
+	@# Looked up when the recipe runs: the wheel may have been made just now, as a prerequisite.
+	wheel=$$(ls $(FLASH_ATTN_WHEELS)/flash_attn-*-cp$(subst .,,$(WHEEL_PYTHON))-*.whl 2>/dev/null | head -n 1); \
+	[ -n "$$wheel" ] || echo "wheelhouse: no flash-attn wheel for Python $(WHEEL_PYTHON) in $(FLASH_ATTN_WHEELS) (no GPU here, or GPU_HOST= given); the image is built without flash-attn"; \
 	$(if $(TORCH_INDEX),PIP_EXTRA_INDEX_URL="$(TORCH_INDEX) $$PIP_EXTRA_INDEX_URL") PIP=$(VENV)/bin/pip \
-		images/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) $(PIPELINE_EXTRAS) "$(TORCH_SPEC)" $(FLASH_ATTN_WHEEL)
+		images/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) $(PIPELINE_EXTRAS) "$(TORCH_SPEC)" $$wheel
 	docker build $(IMAGE_BASE_ARG) -t eyrie-pipeline:$(IMAGE_TAG) \
 		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
 	PIP=$(VENV)/bin/pip images/wheelhouse.sh $(IMAGES_DIR)/sglang $(WHEEL_PYTHON) ""
@@ -87,7 +93,8 @@ images: venv image-base
 
 # The flash-attn wheel, compiled in images/flash-attn's builder stage by
 # `eyrie build flash-attn` and exported to $(FLASH_ATTN_WHEELS), where `make
-# images` picks it up. Needs an nvidia/cuda devel base (nvcc): no base=local.
+# images` picks it up (and makes it first on a GPU host). Needs an nvidia/cuda
+# devel base (nvcc): no base=local.
 FLASH_ATTN_VERSION ?= 2.8.3
 FLASH_ATTN_ARCHS ?= 100;120
 .PHONY: flash-attn-wheel

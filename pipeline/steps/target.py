@@ -181,18 +181,44 @@ def load_model(
         wrapped = language_config(config) is not config
         if wrapped or lm.holding.kind == "packed" or (dequantize and quantization_of(config)):
             default = next(iter(devices), "cpu")
-            return load_held(lm.model, model_folder(target), lm.prefix, dtype, device_map, config, default)
-        # An explicit False: transformers then refuses custom code instead of asking on stdin.
-        with _quiet_transformers(), warnings.catch_warnings():
-            # "the quantization_config from the model will be used": what is asked for.
-            warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
-            return AutoModelForCausalLM.from_pretrained(
-                str(target), dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map
-            )
+            model = load_held(lm.model, model_folder(target), lm.prefix, dtype, device_map, config, default)
+        else:
+            # An explicit False: transformers then refuses custom code instead of asking on stdin.
+            with _quiet_transformers(), warnings.catch_warnings():
+                # "the quantization_config from the model will be used": what is asked for.
+                warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(target), dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map
+                )
     except HeldFormatError as exc:
         raise TargetError(f"{option} {target}: {exc}") from None
     except (OSError, ValueError, ImportError) as exc:  # no model, weights unreadable, code refused
         raise TargetError(_reason(exc, target, option)) from None
+    use_attention(model, attention_for(device_type, dtype))
+    return model
+
+
+def attention_for(device_type: str, dtype: Any) -> str:
+    """The attention the target's forward should use: flash-attn's kernels where they run (a CUDA
+    device, 16-bit weights, the ``flash_attn`` package installed, as the pipeline image has it on a
+    GPU host), else PyTorch's scaled-dot-product attention."""
+    import importlib.util
+
+    import torch
+
+    fast = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return "flash_attention_2" if fast and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def use_attention(model: Any, attention: str) -> str:
+    """Switch ``model`` to ``attention`` where its class supports it, else keep its own (a remote
+    code's attention may know only its own); the attention in use, as the manifest records it."""
+    if model.config._attn_implementation != attention:
+        try:
+            model.set_attn_implementation(attention)
+        except (ValueError, ImportError):
+            pass
+    return model.config._attn_implementation
 
 
 # What the steps read of a target by file: its config and its weights with their index (the
