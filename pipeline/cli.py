@@ -173,11 +173,19 @@ def status(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Watch the latest run live until it ends; exit as it did.")
     ] = False,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Every attempt of every run, not only the latest run's (--json always prints them all).",
+        ),
+    ] = False,
 ) -> None:
-    """Show every attempt of every step: verdict, exit, peak/limit, OOM kills, duration."""
+    """Show the latest run: each step's attempts (verdict, exit, peak/limit, OOM kills, duration, reason),
+    or why it did not run."""
     from pipeline.report.status import status_command
 
-    raise typer.Exit(status_command(run_dir, RUNS, json_output, follow))
+    raise typer.Exit(status_command(run_dir, RUNS, json_output, follow, history))
 
 
 @app.command()

@@ -41,28 +41,37 @@ def esc(text: object) -> str:
 
 
 # -- ticks -------------------------------------------------------------------------------------
+_UNITS = {"TiB": TIB, "GiB": GIB, "MiB": MIB, "KiB": KIB, "B": 1}
 _MANTISSAS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 500, 512)
-_BYTE_STEPS = [m * unit for unit in (1, KIB, MIB, GIB, TIB) for m in _MANTISSAS]
+# Steps below one unit: they keep an axis that reaches 1.5 GiB in GiB (0.5 GiB apart), not 500 MiB.
+_FRACTIONS = (0.25, 0.5)
 _TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400]
 
 
 def byte_ticks(top: float, most: int = 5) -> list[int]:
-    """Round byte values from 0 to at least ``top``, at most ``most`` steps apart."""
+    """Round byte values from 0 to at least ``top``, at most ``most`` steps apart, each round in one
+    unit: the largest unit the highest tick fills, which labels the whole axis."""
     top = max(top, 1)
-    step = next(
-        (s for s in _BYTE_STEPS if top / s <= most), _BYTE_STEPS[-1] * math.ceil(top / _BYTE_STEPS[-1])
-    )
-    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
+    for unit in _UNITS.values():
+        steps = [m * unit for m in (*(_FRACTIONS if unit > 1 else ()), *_MANTISSAS)]
+        step = next((s for s in steps if top / s <= most), steps[-1] * math.ceil(top / steps[-1] / most))
+        ticks = [round(i * step) for i in range(math.ceil(top / step - 1e-9) + 1)]
+        if ticks[-1] >= unit:
+            return ticks
+    raise AssertionError("unreachable: the last unit is a byte")
 
 
-def byte_label(value: float) -> str:
-    """``0``, ``512 MiB``, ``1.5 GiB``: the largest unit the value fills."""
+def size_unit(value: float) -> str:
+    """The largest unit ``value`` fills: ``GiB`` for 1.5 GiB, ``MiB`` for 1000 MiB."""
+    return next((name for name, unit in _UNITS.items() if value >= unit), "B")
+
+
+def byte_label(value: float, unit: str | None = None) -> str:
+    """``0``, ``512 MiB``, ``1.5 GiB``: in ``unit`` (one axis's), else the largest unit the value fills."""
     if value == 0:
         return "0"
-    for unit, name in ((TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
-        if value >= unit:
-            return f"{value / unit:.1f}".removesuffix(".0") + f" {name}"
-    return f"{value:.0f} B"
+    unit = unit or size_unit(value)
+    return f"{value / _UNITS[unit]:.2f}".rstrip("0").removesuffix(".") + f" {unit}"
 
 
 def time_ticks(span: float, most: int = 8) -> list[float]:
@@ -99,13 +108,14 @@ class Scale:
 
 
 def y_axis(y: Scale, ticks: list[int], x0: int, x1: int) -> str:
-    """Grid lines across [x0, x1] and a size label left of x0 at each tick."""
+    """Grid lines across [x0, x1] and a size label left of x0 at each tick, all in one unit."""
+    unit = size_unit(ticks[-1])
     parts = []
     for tick in ticks:
         py = y(tick)
         parts.append(
             f'<line x1="{x0}" x2="{x1}" y1="{py}.5" y2="{py}.5" stroke="{GRID_COLOR}"/>'
-            f'<text x="{x0 - 6}" y="{py + 4}" text-anchor="end">{esc(byte_label(tick))}</text>'
+            f'<text x="{x0 - 6}" y="{py + 4}" text-anchor="end">{esc(byte_label(tick, unit))}</text>'
         )
     return "".join(parts)
 

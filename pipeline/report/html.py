@@ -31,7 +31,16 @@ from pipeline.report.chart import (
 )
 from pipeline.report.neighbours import neighbours
 from pipeline.report.run_chart import Legend, run_chart
-from pipeline.report.status import HEADLINE, exit_text, explain, open_ledger, resolve_run_dir, unreadable
+from pipeline.report.status import (
+    HEADLINE,
+    exit_text,
+    explain,
+    not_run_reason,
+    not_run_steps,
+    open_ledger,
+    resolve_run_dir,
+    unreadable,
+)
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.step_contract import atomic_write_text, read_manifest
@@ -41,7 +50,8 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100p
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 2em; }
 table { border-collapse: collapse; width: 100%; }
 th, td { padding: 4px 8px; border-bottom: 1px solid #d0d7de; text-align: right; white-space: nowrap; }
-th:first-child, td:first-child, td.verdict { text-align: left; }
+th:first-child, td:first-child, .verdict, .why { text-align: left; }
+.why { white-space: normal; width: 100%; }
 .verdict { font-weight: 600; } .muted { color: #656d76; }
 pre { background: #f6f8fa; padding: 8px; overflow-x: auto; white-space: pre-wrap; }
 svg text { font: 11px system-ui, sans-serif; fill: #57606a; }
@@ -123,12 +133,27 @@ def _run_section(ledger: Ledger, run: dict) -> str:
         f"<p class='muted'>{esc(run['pipeline'])} · {esc(run['executor'])} executor on {esc(run['host'])} · "
         f"budget {esc(format_size(run['budget_bytes']))} (set by {esc(run['budget_binding'] or '-')})</p>"
     )
+    not_run = _not_run_table(ledger, run)
     if not timeline.tracks:
-        return head + "<p class='muted'>no attempts: every step was skipped or none could start</p>"
+        return head + "<p class='muted'>no attempts: no step of this run started</p>" + not_run
     svg, legend = run_chart(timeline)
     verdicts = sorted({t.row.verdict or "running" for t in timeline.tracks})
     legend += [Legend(verdict_color(v if v != "running" else None), v, "area") for v in verdicts]
-    return head + svg + _legend(legend)
+    return head + svg + _legend(legend) + not_run
+
+
+def _not_run_table(ledger: Ledger, run: dict) -> str:
+    """The steps of a run that have no attempt in it (skipped, blocked, …), each with why."""
+    rows = "".join(
+        f"<tr class='not-run' data-step='{esc(step)}' data-state='{esc(state['state'])}'>"
+        f"<td>{esc(step)}</td><td class='verdict muted'>{esc(state['state'])}</td>"
+        f"<td class='why'>{esc(not_run_reason(state))}</td></tr>"
+        for step, state in not_run_steps(ledger, run).items()
+    )
+    if not rows:
+        return ""
+    head = "<tr><th>step</th><th class='verdict'>state</th><th class='why'>why</th></tr>"
+    return f"<h3>Steps that did not run</h3><table>{head}{rows}</table>"
 
 
 # What a step that measured a draft (``eyrie accept``) keeps in its manifest's stats.

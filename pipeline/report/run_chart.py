@@ -49,6 +49,7 @@ HOST_H, STEPS_H, TITLE_H, LANE_H = 200, 160, 30, 14
 LABEL_CHARS = 28  # what fits left of the plot
 COLUMN_S = 0.25  # finest column: the host is polled four times a second
 MAX_NAMED = 12  # steps named in the legend; more (a build's compile jobs) are named on their rows only
+BUDGET_UNDER_W = 6  # the host panel's budget line: 2 px of it show each side of a 2 px line on it
 CGROUP_GAP = 0.05  # draw the cgroups' figure only where it sits this far (of the total) below MemAvailable
 
 
@@ -166,6 +167,11 @@ def _host_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float], 
         in_use = [max(h.in_use, base[i]) if h else base[i] for i, h in enumerate(hosts)]
         parts.append(_area(xs, base, in_use, y, OTHER_COLOR, "host-other"))
         legend.append(Legend(OTHER_COLOR, "in use by the rest of the host", "area"))
+    if budget:
+        # Under the lines and wider than they are: a budget set by MemAvailable lies on its line,
+        # which still shows along the budget's middle.
+        parts.append(_budget(y, budget, width=BUDGET_UNDER_W))
+    if timeline.host:
         available = [h.mem_available if h else 0 for h in hosts]
         parts.append(_line(xs, available, y, AVAILABLE_COLOR, "mem-available"))
         legend.append(Legend(AVAILABLE_COLOR, "MemAvailable", "line"))
@@ -173,8 +179,6 @@ def _host_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float], 
         if any(h and h.mem_available - h.available > CGROUP_GAP * h.mem_total for h in hosts):
             parts.append(_line(xs, cgroups, y, CGROUP_AVAILABLE_COLOR, "cgroup-available", dashed=True))
             legend.append(Legend(CGROUP_AVAILABLE_COLOR, "what the cgroups eyrie runs in leave", "dashed"))
-    if budget:
-        parts.append(_budget(y, budget))
     return parts
 
 
@@ -303,11 +307,11 @@ def _line(xs: list[int], values: list[int], y: Scale, color: str, name: str, *, 
     )
 
 
-def _budget(y: Scale, budget: int) -> str:
+def _budget(y: Scale, budget: int, width: int = 2) -> str:
     py = y(budget)
     return (
         f'<g class="budget"><line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py}" y2="{py}" '
-        f'stroke="{BUDGET_COLOR}" stroke-width="2" stroke-dasharray="8 4"/>'
+        f'stroke="{BUDGET_COLOR}" stroke-width="{width}" stroke-dasharray="8 4"/>'
         f'<text x="{WIDTH - RIGHT - 4}" y="{py - 5}" text-anchor="end">'
         f"budget {esc(byte_label(budget))}</text></g>"
     )

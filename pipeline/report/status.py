@@ -121,8 +121,18 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
-def status_command(run_dir: Path | None, runs: Path, json_output: bool, follow: bool) -> int:
+def status_command(
+    run_dir: Path | None, runs: Path, json_output: bool, follow: bool, history: bool = False
+) -> int:
     console, err = wide_console(), Console(stderr=True)
+    if follow and history:
+        err.print(
+            "[red]error:[/] status: --all and --follow do not go together (--all shows every run's "
+            "attempts, --follow the latest run live); pass one of them",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 2
     run_dir = resolve_run_dir(run_dir, runs, err)
     if run_dir is None:
         return 2
@@ -134,25 +144,51 @@ def status_command(run_dir: Path | None, runs: Path, json_output: bool, follow: 
     if ledger is None:
         return 2
     try:
-        return _status(ledger, console, json_output)
+        return _status(ledger, console, json_output, history)
     except sqlite3.Error as exc:
         return unreadable(ledger.path, exc, err)
     finally:
         ledger.close()
 
 
-def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
-    attempts = ledger.attempts()
+def not_run_steps(ledger: Ledger, run: dict) -> dict[str, dict]:
+    """The steps of ``run`` that have no attempt in it (skipped, blocked, cancelled before they
+    started, not started yet), in the pipeline's order: their state rows."""
+    ran = {row.step for row in ledger.attempts() if row.run_id == run["run_id"]}
+    states = ledger.step_states(run["run_id"])
+    return {
+        step: states[step]
+        for step in json.loads(run["steps"])
+        if step in states and step not in ran and states[step]["state"] in NOT_RUN_STATES
+    }
+
+
+def not_run_reason(state: dict) -> str:
+    """Why a step did not run, as a sentence: ``after did not run: writer ended crashed``."""
+    if state["state"] == StepState.PENDING:
+        return f"{state['step']} has not run yet"
+    detail = state["detail"]
+    for said in ("not run: ", "cancelled: "):  # the state's own word, said again by the sentence
+        detail = detail.removeprefix(said)
+    return f"{state['step']} did not run: {detail or state['state']}"
+
+
+def _status(ledger: Ledger, console: Console, json_output: bool, history: bool) -> int:
+    every = ledger.attempts()
     latest = ledger.latest_run()
     reservations = ledger.reservations()
     if json_output:
         rows = [a.as_json() | ({"reservations": reservations[a.id]} if a.id in reservations else {})
-                for a in attempts]  # fmt: skip
+                for a in every]  # fmt: skip
         print(json.dumps(rows, indent=2))
         return 0
     title = "eyrie status"
+    attempts, not_run = every, {}
     if latest:
         title += f" — run {latest['run_id']} {latest['state']} ({escape(latest['pipeline'])})"
+        not_run = not_run_steps(ledger, latest)
+        if not history:
+            attempts = [a for a in every if a.run_id == latest["run_id"]]
     if reservations:  # a build: its compile jobs, each reserved by a prediction
         console.print(_build_table(title, attempts, reservations))
         return 0
@@ -160,36 +196,43 @@ def _status(ledger: Ledger, console: Console, json_output: bool) -> int:
     for column, justify in [
         ("step", "left"), ("attempt", "right"), ("verdict", "left"), ("exit", "right"),
         ("peak / limit", "right"), ("OOM kills", "right"), ("duration", "right"),
-        ("records", "right"), ("started", "right"),
+        ("records", "right"), ("started", "right"), ("reason", "left"),
     ]:  # fmt: skip
-        table.add_column(column, justify=justify, no_wrap=column != "started")
-    shown = set()
-    for row in attempts:
-        shown.add(row.step)
-        verdict = row.verdict or f"running ({f'pid {row.pid}' if row.pid else row.location})"
-        style = VERDICT_STYLE.get(row.verdict or "", "cyan")
-        table.add_row(
-            row.step,
-            str(row.attempt),
-            f"[{style}]{verdict}[/]",
-            exit_text(row),
-            f"{format_size(row.peak_bytes)} / {format_size(row.limit_bytes)}",
-            "-" if row.oom_kills is None else str(row.oom_kills),
-            format_duration(row.wall_s),
-            "-" if row.records is None else f"{row.records:,}",
-            clock(row.started_at),
-        )
-    if latest:
+        table.add_column(column, justify=justify, no_wrap=column != "reason")
+    shown: list[AttemptRow | dict] = list(attempts)
+    if history:  # the history, then the latest run's steps that did not run
+        shown += not_run.values()
+    elif latest:  # each step where the pipeline lists it: its attempts in this run, or its state
+        steps = json.loads(latest["steps"])
         states = ledger.step_states(latest["run_id"])
-        for step in json.loads(latest["steps"]):
-            state = states.get(step)
-            if (
-                state
-                and state["state"] in NOT_RUN_STATES
-                and (state["state"] != StepState.CANCELLED or step not in shown)
-            ):
-                table.add_row(step, "-", f"[dim]{state['state']}[/]", "", "", "", "", "",
-                              f"[dim]{escape(state['detail'])}[/]")  # fmt: skip
+        shown = []
+        for step in steps:
+            if step in not_run:
+                shown.append(not_run[step])
+            elif ran := [a for a in attempts if a.step == step]:
+                shown += ran
+            elif step in states:  # an attempt of an earlier run, waited for by this one (a Slurm job)
+                shown += [a for a in every if a.step == step][-1:]
+        shown += [a for a in attempts if a.step not in steps]
+    for item in shown:
+        if isinstance(item, dict):
+            table.add_row(item["step"], "-", f"[dim]{item['state']}[/]", "", "", "", "", "", "",
+                          f"[dim]{escape(item['detail'])}[/]")  # fmt: skip
+            continue
+        verdict = item.verdict or f"running ({f'pid {item.pid}' if item.pid else item.location})"
+        style = VERDICT_STYLE.get(item.verdict or "", "cyan")
+        table.add_row(
+            item.step,
+            str(item.attempt),
+            f"[{style}]{verdict}[/]",
+            exit_text(item),
+            f"{format_size(item.peak_bytes)} / {format_size(item.limit_bytes)}",
+            "-" if item.oom_kills is None else str(item.oom_kills),
+            format_duration(item.wall_s),
+            "-" if item.records is None else f"{item.records:,}",
+            clock(item.started_at),
+            escape(item.reason or ""),
+        )
     console.print(table)
     return 0
 
@@ -305,15 +348,30 @@ def explain_command(run_dir: Path | None, runs: Path, step: str, attempt: int | 
 def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, console: Console,
              err: Console) -> int:  # fmt: skip
     rows = ledger.attempts(step)
+    latest = ledger.latest_run()
+    not_run = not_run_steps(ledger, latest).get(step) if latest and attempt is None else None
+    if not_run is not None:  # the latest run did not run it: say why, then what its last attempt was
+        console.print(f"[bold]{escape(step)}[/], run {escape(latest['run_id'])}", highlight=False)
+        console.print(
+            escape(f"{not_run['state'].capitalize()}: {not_run_reason(not_run)}."),
+            highlight=False,
+            soft_wrap=True,
+        )
+        if not rows:
+            return 0
+        console.print(f"Its last attempt was in an earlier run, {escape(rows[-1].run_id)}:", highlight=False)
     if attempt is not None:
         rows = [r for r in rows if r.attempt == attempt]
     if not rows:
-        known = sorted({r.step for r in ledger.attempts()})
+        known = sorted(
+            {r.step for r in ledger.attempts()} | set(json.loads(latest["steps"]) if latest else [])
+        )
         what = f"attempt {attempt} of step {step!r}" if attempt else f"step {step!r}"
         err.print(
-            f"[red]error:[/] no {escape(what)} in {run_dir}; steps with attempts: "
+            f"[red]error:[/] no {escape(what)} in {run_dir}; pass one of its steps: "
             f"{escape(', '.join(known) or 'none')}",
             highlight=False,
+            soft_wrap=True,
         )
         return 2
     row = rows[-1]

@@ -5,7 +5,9 @@ v1 ``memory.oom_control``) wakes the monitor at once; between events it polls
 every 0.1 s, which alone keeps the recorded time of an OOM kill within a
 fraction of a second (the ledger's promise is "within a second"). Timeline
 points are kept about once a second, each the maximum of its window, so a
-short spike is not lost between points.
+short spike is not lost between points; the first ones come sooner (the first
+within 0.1 s of the start), so a step that lives a second is drawn as it grew,
+not as its peak from the start.
 
 A cgroup whose anonymous memory fills its limit can live-lock instead of being
 OOM-killed: the kernel keeps reclaiming the processes' own program text, which
@@ -33,6 +35,8 @@ POLL_S = 0.1
 FAST_POLL_S = 0.005
 FAST_WINDOW_S = 0.5
 TIMELINE_S = 1.0
+# When the first timeline points are due, in seconds from the start: then one every TIMELINE_S.
+FIRST_POINTS_S = (0.05, 0.25, 0.5, 0.75, 1.0)
 THRASH_S = 20.0
 # Pages read back in per second, on average over THRASH_S, that make "at the limit" thrashing.
 THRASH_FAULTS_PER_S = 10
@@ -102,7 +106,6 @@ class CgroupMonitor:
         self._total_peak = 0
         self._anon_peak = 0
         self._window: tuple[int, int] = (0, 0)
-        self._window_start = self.started
         self._timeline: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
         self._notifier = event_notifier(cgroup)
@@ -127,19 +130,27 @@ class CgroupMonitor:
         self._total_peak = max(self._total_peak, sample.total)
         self._anon_peak = max(self._anon_peak, sample.anon)
         self._window = (max(self._window[0], sample.total), max(self._window[1], sample.anon))
-        if now - self._window_start >= TIMELINE_S:
+        if now >= self._point_due():
             self._timeline.append((round(now - self.started, 3), *self._window))
-            self._window, self._window_start = (0, 0), now
+            self._window = (0, 0)
         if self._watch is not None and self._thrash is None:
             self._thrash = self._watch.observe(now, sample)
             if self._thrash is not None:
                 self._on_thrash()
+
+    def _point_due(self) -> float:
+        """When the next timeline point is due (wall clock)."""
+        last = self._timeline[-1][0] if self._timeline else 0.0
+        first = next((t for t in FIRST_POINTS_S if t > last), None)
+        return self.started + (last + TIMELINE_S if first is None else first)
 
     def _loop(self) -> None:
         fast_until = 0.0
         watched = [self._wake_r] + ([self._notifier.fileno()] if self._notifier else [])
         while not self._stop.is_set():
             interval = FAST_POLL_S if time.monotonic() < fast_until else POLL_S
+            # Wake when a point is due, so the first ones are read when they are promised.
+            interval = max(0.0, min(interval, self._point_due() - time.time()))
             ready, _, _ = select.select(watched, [], [], interval)
             if self._notifier is not None and self._notifier.fileno() in ready:
                 self._notifier.drain()

@@ -1,10 +1,13 @@
 """The HTML report of a real run: every attempt, its timeline, its verdict."""
 
 import re
+import sys
 
 import pytest
 
-from eyrie_testing import REPO, eyrie
+from eyrie_testing import REPO, attempts_json, eyrie
+from pipeline.report.chart import RUNNING_COLOR
+from pipeline.run.ledger import Ledger
 
 
 @pytest.mark.usefixtures("real_cgroups")
@@ -36,3 +39,51 @@ steps:
 def test_report_without_ledger(tmp_path):
     result = eyrie("report", "--run-dir", str(tmp_path))
     assert result.returncode == 2 and "no ledger" in result.stderr
+
+
+# Grows 10 MiB every 0.1 s until its 100 MiB limit kills it, about a second in.
+SHORT_OOM = """
+steps:
+  - name: grows
+    command:
+      - PYTHON
+      - -c
+      - |
+        import time
+        held = []
+        while True:
+            held.append(b"x" * (10 << 20))
+            time.sleep(0.1)
+    memory: 100MiB
+"""
+
+
+def _first_and_highest(d: str) -> tuple[int, int]:
+    """The first and the highest (least) y of an SVG path's outline."""
+    ys = [int(v) for v in re.findall(r"(?:,|V)(\d+)", d)]
+    return ys[0], min(ys)
+
+
+@pytest.mark.usefixtures("real_cgroups")
+def test_the_report_of_a_one_second_oom_draws_the_memory_growing_from_the_start(tmp_path):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(SHORT_OOM.replace("PYTHON", sys.executable))
+    eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
+    (attempt,) = attempts_json(tmp_path / "run")
+    assert attempt["verdict"] == "oom_killed" and attempt["wall_s"] < 5, attempt
+    ledger = Ledger(tmp_path / "run", create=False)
+    points = ledger.timeline(ledger.attempts()[0].id)
+    ledger.close()
+    # Read from its start: the first reading within 0.1 s, long before it filled its limit.
+    assert points[0][0] <= 0.1 and points[0][1] < attempt["peak_bytes"] / 2, points
+    assert len(points) >= 4 and points[-1][1] > points[0][1], points
+    eyrie("report", "--run-dir", str(tmp_path / "run"), check=True)
+    page = (tmp_path / "run" / "report.html").read_text()
+    # Its own chart: the line starts low and climbs to the peak, not flat at the peak from 0:00.
+    (total,) = re.findall(rf'<path d="([^"]+)" fill="none" stroke="{RUNNING_COLOR}"', page)
+    first, highest = _first_and_highest(total)
+    assert first - highest > 100, total  # of the 138 px between 0 and the 100 MiB limit
+    # The run chart: its band is filled as the memory grew, not solid from its start.
+    (band,) = re.findall(r'<path class="area" data-series="steps-grows" d="([^"]+)"', page)
+    first, highest = _first_and_highest(band)
+    assert first - highest > 80, band  # of the 160 px of the steps panel

@@ -12,17 +12,23 @@ import pytest
 from eyrie_testing import chart_pixels, check_run_chart, eyrie, overflowing_text, screenshot
 from pipeline.memory import parse_size
 from pipeline.report.chart import (
+    AVAILABLE_COLOR,
+    BUDGET_COLOR,
     CRASH_COLOR,
     FAILED_COLOR,
+    MIB,
     OOM_COLOR,
     VERDICT_COLORS,
+    Scale,
     byte_label,
     byte_ticks,
     time_label,
     time_ticks,
+    y_axis,
 )
 from pipeline.report.follow import view
-from pipeline.run.ledger import LEDGER_NAME, Ledger
+from pipeline.report.run_chart import LEFT, RIGHT, WIDTH
+from pipeline.run.ledger import LEDGER_NAME, HostSample, Ledger
 
 GIB = 2**30
 
@@ -82,6 +88,24 @@ def test_ticks_are_round_values_with_units():
     assert byte_label(parse_size("1.5GiB")) == "1.5 GiB"
     assert [time_label(t, 6.9) for t in time_ticks(6.9)] == [f"0:0{i}" for i in range(7)]
     assert [time_label(t, 5400) for t in time_ticks(5400)][:3] == ["0:00", "0:15", "0:30"]
+
+
+def test_each_size_axis_is_labelled_in_one_unit_chosen_from_its_top():
+    def labels(top: float) -> list[str]:
+        ticks = byte_ticks(top)
+        return re.findall(
+            r'text-anchor="end">([^<]+)</text>', y_axis(Scale(0, ticks[-1], 100, 0), ticks, 0, 10)
+        )
+
+    assert labels(1.4 * GIB) == ["0", "0.5 GiB", "1 GiB", "1.5 GiB"]  # not 500 MiB, 1000 MiB, 1.5 GiB
+    assert labels(GIB) == ["0", "0.25 GiB", "0.5 GiB", "0.75 GiB", "1 GiB"]  # not 256 MiB … 1 GiB
+    assert labels(96 * MIB) == ["0", "20 MiB", "40 MiB", "60 MiB", "80 MiB", "100 MiB"]
+    top = 2 * MIB
+    while top < 64 * GIB:
+        ticks, shown = byte_ticks(top), labels(top)
+        assert ticks[-1] >= top and len(ticks) <= 6, (top, shown)
+        assert len({label.split()[1] for label in shown[1:]}) == 1, (top, shown)
+        top *= 1.07
 
 
 def _build_ledger(run_dir: Path, *, running: bool = False) -> int:
@@ -171,3 +195,37 @@ def test_follow_counts_a_running_job_s_current_reservation(tmp_path):
     current = view(ledger, tmp_path)
     ledger.close()
     assert current.reserved_bytes == 3 * GIB // 2  # b's reservation now, not its admitted 2.5 GiB
+
+
+def _budget_set_by_mem_available(run_dir: Path) -> None:
+    """A run whose budget is the host's MemAvailable, which stays where it was at the start."""
+    ledger = Ledger(run_dir)
+    t0 = time.time() - 60
+    ledger.start_run("r1", "p.yaml", "local", ["job"], 8 * GIB, "MemAvailable")
+    job = ledger.begin_attempt(
+        run_id="r1", step="job", attempt=1, executor="local", limit_bytes=GIB, limit_reason=None,
+        argv=["job"], host_mem_available=8 * GIB, host_mem_total=16 * GIB, image=None, commit_id=None,
+    )  # fmt: skip
+    ledger.end_attempt(
+        job, verdict="succeeded", reason="exit 0",
+        fields={"started_at": t0, "ended_at": t0 + 30, "peak_bytes": GIB // 2, "exit_code": 0},
+        timeline=[(float(s), GIB // 2, GIB // 2) for s in range(1, 31)],
+    )  # fmt: skip
+    for s in range(31):
+        ledger.add_host_sample("r1", HostSample(t0 + s, 16 * GIB, 8 * GIB, 8 * GIB))
+    ledger.close()
+    db = sqlite3.connect(run_dir / LEDGER_NAME)
+    db.execute("UPDATE runs SET started_at = ?, ended_at = ?, state = 'succeeded'", (t0, t0 + 30))
+    db.commit()
+    db.close()
+
+
+def test_mem_available_equal_to_the_budget_still_shows_beside_its_line(tmp_path):
+    _budget_set_by_mem_available(tmp_path)
+    eyrie("report", "--run-dir", str(tmp_path), check=True)
+    page = (tmp_path / "report.html").read_text()
+    png = screenshot(tmp_path / "report.html", tmp_path / "report.png")
+    drawn = chart_pixels(png, page, {"MemAvailable": AVAILABLE_COLOR, "budget": BUDGET_COLOR})
+    plot_w = WIDTH - LEFT - RIGHT
+    # Both lines run the whole width: MemAvailable 2 px high all along, the budget's dashes beside it.
+    assert drawn["MemAvailable"] >= 1.8 * plot_w and drawn["budget"] >= plot_w, drawn
