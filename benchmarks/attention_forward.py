@@ -45,9 +45,8 @@ def main() -> int:
     model = load_model(args.target, dtype=torch.bfloat16, trust_remote_code=False, device_map={"": "cuda:0"})
     layers = model.config.num_hidden_layers
     vocab = model.config.vocab_size
-    source = OnlineTarget(
-        model, [1, layers // 2, layers - 4], torch.arange(2), torch.zeros(vocab, dtype=torch.bool), device=device
-    )
+    no_draft_vocab = (torch.arange(2), torch.zeros(vocab, dtype=torch.bool))  # the teacher is not timed
+    source = OnlineTarget(model, [1, layers // 2, layers - 4], *no_draft_vocab, device=device)
     ids = torch.randint(3, vocab, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[:, args.length * 3 // 4 :] = 0  # right padding, as train's batches are padded
