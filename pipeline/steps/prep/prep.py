@@ -18,10 +18,12 @@ import mmap
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from urllib.parse import urlparse
 
 from rich.console import Console
 from rich.markup import escape
@@ -246,6 +248,27 @@ def counts_table(results: list[SourceResult]) -> Table:
     return table
 
 
+def unreachable_hub(hub_sources: list[str]) -> str | None:
+    """Why the sources read from the Hugging Face hub cannot be, when its name does not resolve
+    from this host (the hub's client would retry each file for minutes); None when it resolves."""
+    if not hub_sources or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return None
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    try:
+        socket.getaddrinfo(host, 443)
+    except (socket.gaierror, UnicodeError):
+        more = len(hub_sources) - 3
+        named = ", ".join(hub_sources[:3]) + (f" and {more} more" if more > 0 else "")
+        return (
+            f"the Hugging Face hub ({host}) does not resolve from this host, and {named} read from it; "
+            "run `eyrie prep --offline` to read each source's local sample instead, or fix the network "
+            "(HF_ENDPOINT names a mirror)"
+        )
+    return None
+
+
 def prep(
     catalog_path: Path | None,
     out_dir: Path | None = None,
@@ -267,8 +290,8 @@ def prep(
         catalog = load_catalog(catalog_path)
         if quota is not None:
             catalog = catalog.capped(quota)
-        for source in catalog.sources:  # resolve every location up front: fail before any work
-            source.location(catalog.base, offline)
+        # Resolve every location up front: fail before any work.
+        locations = {source.name: source.location(catalog.base, offline) for source in catalog.sources}
         try:
             memory_per_worker = parse_size(worker_memory)
         except ValueError as exc:
@@ -276,6 +299,11 @@ def prep(
     except (CatalogError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
+    hub_sources = [name for name, where in locations.items() if not Path(where).is_absolute()]
+    unreachable = None if offline else unreachable_hub(hub_sources)
+    if unreachable:
+        console.print(f"[red]error:[/] {escape(unreachable)}", soft_wrap=True)
+        return 1
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"

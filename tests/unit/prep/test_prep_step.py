@@ -331,3 +331,27 @@ def test_spare_workers_slice_the_sources_without_a_quota(tmp_path):
     )
     assert plan_slices(catalog, 1) == plan_slices(catalog, 2) == {"capped": 1, "open": 1}
     assert plan_slices(catalog, 5) == {"capped": 1, "open": 4}
+
+
+def test_online_on_a_host_that_cannot_resolve_the_hub_fails_at_once_and_says_offline(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from eyrie_testing import REPO
+
+    # .invalid never resolves (RFC 2606): the real lookup fails, as on a host without a network.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "prep", "--out-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO, timeout=120, env={**env, "HF_ENDPOINT": "https://hub.invalid"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert time.monotonic() - started < 30  # not minutes of retries
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: the Hugging Face hub (hub.invalid) does not resolve from this host")
+    assert "run `eyrie prep --offline`" in lines[0]
+    assert not (tmp_path / "out").exists()
