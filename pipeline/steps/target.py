@@ -43,6 +43,30 @@ def check_target(target: str | Path, option: str) -> None:
         raise TargetError(f"{option} {target!r} is neither a model folder nor a hub id (OWNER/NAME)")
 
 
+# What a folder holds when it holds a tokenizer transformers can load (one is enough).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+)
+
+
+def check_tokenizer(target: str | Path, option: str) -> None:
+    """Before loading: a local tokenizer is a folder holding tokenizer files; anything else must
+    read as a hub id (else transformers would call a missing folder a malformed hub id)."""
+    path = Path(target).expanduser()
+    if is_local(target):
+        if not path.is_dir():
+            raise TargetError(f"{option} {target}: no such folder (give the target's folder or a hub id)")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            expected = ", ".join(TOKENIZER_FILES)
+            raise TargetError(f"{option} {target}: no tokenizer files in it (expected one of {expected})")
+    elif not _HUB_ID_RE.match(str(target)):
+        raise TargetError(f"{option} {target!r} is neither a folder nor a hub id (OWNER/NAME)")
+
+
 def _reason(exc: Exception, target: str | Path, option: str) -> str:
     text = str(exc)
     if "compressed_tensors" in text or "compressed-tensors" in text:
@@ -295,6 +319,7 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str =
         f"{option} {target}: the tokenizer ships its own code (auto_map in its tokenizer_config.json), "
         f"which alone tokenizes as the target does; pass {REMOTE_CODE_FLAG} to run it, if you trust it"
     )
+    check_tokenizer(target, option)
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)

@@ -193,3 +193,20 @@ def test_a_bad_worker_memory_is_a_one_line_error_naming_the_option(tiny_tokenize
     assert tokenize(tiny_tokenizer, [conversations], [], tmp_path / "out", worker_memory="lots") == 2
     assert "--worker-memory: invalid size 'lots'" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_a_tokenizer_folder_that_is_missing_or_empty_is_named_as_such(prepped, tmp_path, capsys):
+    conversations = [prepped / "native.jsonl"]
+    (tmp_path / "empty").mkdir()
+    cases = {
+        str(tmp_path / "nope"): f"--tokenizer {tmp_path / 'nope'}: no such folder",
+        "./nope": "--tokenizer ./nope: no such folder",
+        str(tmp_path / "empty"): f"--tokenizer {tmp_path / 'empty'}: no tokenizer files in it (expected one of "
+        "tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, vocab.json)",
+    }  # fmt: skip
+    for number, (given, said) in enumerate(cases.items()):
+        assert tokenize(given, conversations, [], tmp_path / f"out{number}") == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"error: {said}" in err, err
+        assert "Repo id" not in err
+        assert not (tmp_path / f"out{number}" / "shards").exists()
