@@ -37,14 +37,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.compile.broker import BuildBroker
-from pipeline.compile.flash_attn import load_profile, nvcc_release, source_version
-from pipeline.compile.subset import (
+from benchmarks.compile_subset import (
     setup_ninja_variables,
     torch_header_shim,
     with_torch_headers_of,
     write_subset_ninja,
 )
+from pipeline.compile.broker import BuildBroker
+from pipeline.compile.flash_attn import load_profile, nvcc_release, source_version
 from pipeline.memory import parse_size, step_parent
 from pipeline.run.executor import Launch
 from pipeline.run.ledger import Ledger

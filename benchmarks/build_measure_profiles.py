@@ -28,10 +28,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.compile_subset import setup_ninja_variables, write_subset_ninja
 from pipeline.compile.broker import BuildBroker
 from pipeline.compile.flash_attn import cuda_sources, load_profile, nvcc_release, source_version
 from pipeline.compile.profile import JobKey, Profile, ProfileEntry, shape_of
-from pipeline.compile.subset import setup_ninja_variables, write_subset_ninja
 from pipeline.memory import parse_size
 from pipeline.run.ledger import Ledger
 

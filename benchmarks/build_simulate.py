@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.compile_simulate import SimJob, SimResult, simulate_fixed, simulate_scheduler
 from pipeline.compile.profile import SHIPPED_PROFILES, Profile, ProfileEntry
-from pipeline.compile.simulate import SimJob, SimResult, simulate_fixed, simulate_scheduler
 
 CORES = 128
 MEMORY = 432 * 10**9

@@ -60,12 +60,12 @@ def write_workload(path: Path, copies: int, lengthen: int = 1) -> int:
 
 
 def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[float, int, int]:
-    from pipeline.steps.tokenize.tokenize import BATCH, Tokenizer, _render, read_conversations
+    from pipeline.steps.tokenize.tokenize import BATCH, Tokenizer, _render, parse_conversation, read_lines
 
     encoder = Tokenizer(folder, template)
     texts = [
         _render(encoder.template, c.messages, c.tools, special=encoder.special)[0]
-        for c in read_conversations(native)
+        for c in map(parse_conversation, read_lines(native))
     ]
     encode = getattr(encoder.backend, method)
     started = time.perf_counter()

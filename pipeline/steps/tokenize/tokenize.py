@@ -451,10 +451,6 @@ def parse_conversation(line: Line) -> Record:
     return Record(source, record.get("id"), record.get("source_id"), messages, record.get("tools"))
 
 
-def read_conversations(path: Path) -> Iterator[Record]:
-    return map(parse_conversation, read_lines(path))
-
-
 class ShardWriter:
     """Tables into ``shard-00000.parquet``, ``shard-00001.parquet``, … of ``shard_rows`` rows each."""
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from eyrie_testing import REPO
-from pipeline.compile.broker import BuildBroker
-from pipeline.compile.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH, fetch_sdist
-from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile
-from pipeline.compile.subset import (
+from benchmarks.compile_subset import (
     setup_ninja_variables,
     torch_header_shim,
     with_torch_headers_of,
     write_subset_ninja,
 )
+from eyrie_testing import REPO
+from pipeline.compile.broker import BuildBroker
+from pipeline.compile.flash_attn import DEFAULT_JOB_PEAK_PER_ARCH, fetch_sdist
+from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile
 from pipeline.run.ledger import Ledger
 
 CUDA_HOME = Path("/usr/local/cuda-13.0")

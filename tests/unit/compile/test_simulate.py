@@ -3,9 +3,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from benchmarks.compile_simulate import SimJob, simulate_fixed, simulate_scheduler
 from eyrie_testing import REPO
 from pipeline.compile.profile import SHIPPED_PROFILES, Profile
-from pipeline.compile.simulate import SimJob, simulate_fixed, simulate_scheduler
 
 GB = 10**9
 

@@ -22,8 +22,8 @@ def test_two_jobs_dead_beside_a_server_on_a_roomy_host_were_not_out_of_memory(ne
     for step, verdict in (("prep-a", "Completed, then crashed"), ("prep-b", "Crashed")):
         out = eyrie("explain", step, "--run-dir", str(neighbours_run), check=True).stdout
         assert verdict in out, out
-        assert re.search(r"At \d\d:\d\d:\d\d, when it ended, the host had [\d.]+ [GM]iB in use and [\d.]+ GiB "
-                         r"MemAvailable of [\d.]+ GiB\.", out), out  # fmt: skip
+        assert re.search(r"At \d\d:\d\d:\d\d, when it ended, the host had [\d.]+ [GM]iB in use and "
+                         r"[\d.]+ GiB MemAvailable of [\d.]+ GiB\.", out), out  # fmt: skip
         beside = re.search(r"Beside it ran: (.*)\n", out).group(1)
         server = re.search(r"server ([\d.]+) MiB of its 256\.00 MiB limit", beside)
         assert server and 140 <= float(server.group(1)) <= 256, beside  # the server held 150 MiB

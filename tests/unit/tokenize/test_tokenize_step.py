@@ -201,8 +201,8 @@ def test_a_tokenizer_folder_that_is_missing_or_empty_is_named_as_such(prepped, t
     cases = {
         str(tmp_path / "nope"): f"--tokenizer {tmp_path / 'nope'}: no such folder",
         "./nope": "--tokenizer ./nope: no such folder",
-        str(tmp_path / "empty"): f"--tokenizer {tmp_path / 'empty'}: no tokenizer files in it (expected one of "
-        "tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, vocab.json)",
+        str(tmp_path / "empty"): f"--tokenizer {tmp_path / 'empty'}: no tokenizer files in it (expected one "
+        "of tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, vocab.json)",
     }  # fmt: skip
     for number, (given, said) in enumerate(cases.items()):
         assert tokenize(given, conversations, [], tmp_path / f"out{number}") == 2

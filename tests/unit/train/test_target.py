@@ -34,8 +34,8 @@ def test_flash_attention_is_chosen_only_where_its_kernels_run(monkeypatch):
 
     from pipeline.steps.target import attention_for
 
-    real_find_spec = importlib.util.find_spec
-    assert attention_for("cuda", torch.bfloat16) == ("flash_attention_2" if real_find_spec("flash_attn") else "sdpa")
+    installed = importlib.util.find_spec("flash_attn") is not None
+    assert attention_for("cuda", torch.bfloat16) == ("flash_attention_2" if installed else "sdpa")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
     assert attention_for("cuda", torch.bfloat16) == "flash_attention_2"
     assert attention_for("cuda", torch.float16) == "flash_attention_2"
