@@ -194,7 +194,7 @@ def resolve_budget(text: str, headroom: int, has: Budget | None = None) -> tuple
     build cgroup's limit would be a promise the host cannot keep.
     """
     has = has or memory_budget()
-    available = f"{has.available / 2**30:.1f} GiB (bound by {has.binding})"
+    available = f"{format_size(has.available, 'GiB')} (bound by {has.binding})"
     if text != "auto":
         budget = size_option("--budget", text)
         if budget <= 0:
@@ -205,22 +205,22 @@ def resolve_budget(text: str, headroom: int, has: Budget | None = None) -> tuple
             raise BuildError(
                 f"--budget {text!r} is more than this process has: {available}; pass at most "
                 f"{max(0, has.available - headroom) / 2**30:.1f}GiB (or auto: what it has less "
-                f"{headroom / 2**30:.1f} GiB headroom), or free memory first"
+                f"{format_size(headroom, 'GiB')} headroom), or free memory first"
             )
         warnings = []
         if budget > has.available - headroom:
             warnings.append(
-                f"--budget {text} leaves {(has.available - budget) / 2**30:.1f} GiB of the {available} "
+                f"--budget {text} leaves {format_size(has.available - budget, 'GiB')} of the {available} "
                 f"this process has for setup.py, ninja, flash_api.cpp and the link (auto keeps "
-                f"{headroom / 2**30:.1f} GiB)"
+                f"{format_size(headroom, 'GiB')})"
             )
         return budget, "given with --budget", warnings
     if has.available - headroom <= 0:
         raise BuildError(
-            f"this process has {available}, less than the {headroom / 2**30:.1f} GiB headroom: "
+            f"this process has {available}, less than the {format_size(headroom, 'GiB')} headroom: "
             "free memory or pass --budget"
         )
-    return has.available - headroom, f"{available} − {headroom / 2**30:.1f} GiB headroom", []
+    return has.available - headroom, f"{available} − {format_size(headroom, 'GiB')} headroom", []
 
 
 def environment_settings(env: Mapping[str, str], threads: str) -> tuple[str, int | None, list[str]]:
@@ -432,8 +432,9 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
                 time.sleep(1)
                 report = broker.report()
                 done_jobs = sum(j.exit_code == 0 for j in report.jobs)
+                reserved = format_size(broker.scheduler.reserved, "GiB")
                 progress.update(task, completed=done_jobs, description=(
-                    f"{broker.scheduler.reserved / 2**30:.1f}/{plan.budget / 2**30:.1f} GiB reserved, "
+                    f"{reserved} of {format_size(plan.budget, 'GiB')} reserved, "
                     f"{len(broker.scheduler.running)} running, "
                     f"{report.oom_kills} OOM-killed and re-run"))  # fmt: skip
         report = broker.report()

@@ -143,11 +143,11 @@ def test_an_explicit_budget_is_checked_against_what_the_process_really_has() -> 
                  binding="cgroup /sys/fs/cgroup/build (limit − usage)")  # fmt: skip
     assert resolve_budget("12GiB", 2 * GiB, has) == (12 * GiB, "given with --budget", [])
     budget, _, warnings = resolve_budget("19GiB", 2 * GiB, has)
-    assert budget == 19 * GiB and "leaves 1.0 GiB of the 20.0 GiB" in warnings[0]
+    assert budget == 19 * GiB and "leaves 1.00 GiB of the 20.00 GiB" in warnings[0]
     with pytest.raises(BuildError) as refused:
         resolve_budget("64GiB", 2 * GiB, has)
     message = str(refused.value)
-    assert "--budget '64GiB' is more than this process has: 20.0 GiB (bound by cgroup" in message
+    assert "--budget '64GiB' is more than this process has: 20.00 GiB (bound by cgroup" in message
     assert "pass at most 18.0GiB" in message and "\n" not in message
 
 
