@@ -32,7 +32,7 @@ from pipeline.run.step_contract import atomic_path, cache_root, step_dir_from_en
 SAMPLES_DIR = Path(__file__).parent / "samples"
 SEED = 1234
 # Bump when the recipe below changes: it is part of the cache fingerprint.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = [
@@ -58,7 +58,7 @@ MODEL_CONFIG = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
-TRAIN_STEPS = 200
+TRAIN_STEPS = 320
 TRAIN_BATCH = 8
 TRAIN_WINDOW = 128
 TRAIN_LR = 3e-3
@@ -366,8 +366,17 @@ def _fit(out: Path, tokenizer, stream) -> None:
     )
     generator = torch.Generator().manual_seed(SEED)
     offsets = torch.arange(TRAIN_WINDOW + 1)
+    # Half the windows begin where a row does: a prompt meets the model at position 0, and
+    # windows drawn anywhere alone leave it unsure what follows a generation prompt.
+    last_start = len(stream) - TRAIN_WINDOW - 1
+    row_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    row_starts = torch.cat([torch.zeros(1, dtype=torch.long), (stream == row_end).nonzero()[:, 0] + 1])
+    row_starts = row_starts[row_starts < last_start]
+    at_row = torch.arange(TRAIN_BATCH).unsqueeze(1) % 2 == 0
     for _ in range(TRAIN_STEPS):
-        starts = torch.randint(0, len(stream) - TRAIN_WINDOW - 1, (TRAIN_BATCH, 1), generator=generator)
+        anywhere = torch.randint(0, last_start, (TRAIN_BATCH, 1), generator=generator)
+        row = row_starts[torch.randint(0, len(row_starts), (TRAIN_BATCH, 1), generator=generator)]
+        starts = torch.where(at_row, row, anywhere)
         window = stream[starts + offsets]
         logits = model(input_ids=window[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
