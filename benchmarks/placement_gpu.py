@@ -105,7 +105,7 @@ def main() -> None:
         flops = draft_flops_per_token(draft.config, args.ttt, args.seq) + 2 * active
         for placement in args.placements.split(","):
             cfg = TrainConfig(
-                data=shards, target=target, out=Path(tmp) / placement, target_placement=placement,
+                data=shards, target=target, out_dir=Path(tmp) / placement, target_placement=placement,
                 draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt, batch_size=args.batch,
                 max_length=args.seq, max_steps=args.steps, checkpoint_every=args.steps, log_every=args.steps,
                 heldout_fraction=0.0, eval_prompts=0,

@@ -60,7 +60,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(
-            data=ensure_distilled_shards(), target=ensure_tiny_target(), out=Path(out),
+            data=ensure_distilled_shards(), target=ensure_tiny_target(), out_dir=Path(out),
             draft_vocab_size=2048, ttt_steps=7, lr=3e-3, batch_size=args.batch_size,
             max_steps=args.steps, heldout_fraction=0.15, checkpoint_every=10**9,
             threads=args.threads,

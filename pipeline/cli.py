@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib
 import subprocess
+import typing
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from pipeline.run import EXECUTORS
 
@@ -44,8 +45,62 @@ def step_command(name: str) -> TyperCommand | TyperGroup:
     return command
 
 
+class PlainOption(TyperOption):
+    """An option whose help says what to write (N, NUMBER, PATH, TEXT, its choices, or the
+    metavar it declares), not the Python type it is read as; a flag shows none."""
+
+    def display_type_rich(self, ctx: typer.Context) -> str | None:
+        if self.metavar is not None:
+            return self.metavar
+        if self.is_flag:
+            return None
+        described = self.type_descriptor
+        if described.is_choice:
+            return "|".join(map(str, described.choices or ()))
+        if described.is_path:
+            return described.path_type.upper()
+        kind = described.annotation
+        if described.is_list:
+            (kind,) = typing.get_args(kind)
+        return {int: "N", float: "NUMBER", Path: "PATH"}.get(kind, "TEXT")
+
+    def _get_number_range_help_str(self) -> str | None:
+        if self.min is None and self.max is None:
+            return None
+        if self.max is None:
+            return f"at least {self.min}"
+        return f"at most {self.max}" if self.min is None else f"{self.min} to {self.max}"
+
+
+class PlainArgument(TyperArgument):
+    """An argument named in capitals, its name saying what it is, with no type beside it."""
+
+    def display_type_rich(self, ctx: typer.Context) -> str | None:
+        return None
+
+
+def plain_help(command: TyperCommand | TyperGroup) -> TyperCommand | TyperGroup:
+    """``command`` and its subcommands with :class:`PlainOption` and :class:`PlainArgument` help."""
+    for param in command.get_params(typer.Context(command)):
+        if type(param) is TyperOption:
+            param.__class__ = PlainOption
+        elif type(param) is TyperArgument:
+            param.__class__ = PlainArgument
+            param.metavar = param.metavar or param.name.upper()
+    for subcommand in getattr(command, "commands", {}).values():
+        plain_help(subcommand)
+    return command
+
+
 class EyrieCommands(TyperGroup):
-    """eyrie's own commands, then the steps', each loaded on first use."""
+    """eyrie's own commands, then the steps', each loaded on first use; help in plain words."""
+
+    def get_params(self, ctx: typer.Context) -> list:
+        params = super().get_params(ctx)
+        for param in params:
+            if type(param) is TyperOption:
+                param.__class__ = PlainOption
+        return params
 
     def list_commands(self, ctx: typer.Context) -> list[str]:
         return [*super().list_commands(ctx), *(n for n in STEP_COMMANDS if n not in self.commands)]
@@ -53,7 +108,8 @@ class EyrieCommands(TyperGroup):
     def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
         if cmd_name in STEP_COMMANDS and cmd_name not in self.commands:
             self.add_command(step_command(cmd_name), cmd_name)
-        return super().get_command(ctx, cmd_name)
+        command = super().get_command(ctx, cmd_name)
+        return plain_help(command) if command is not None else None
 
 
 app = typer.Typer(
@@ -147,7 +203,10 @@ def run(
     pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
     run_dir: RunDir = DEFAULT_RUN_DIR,
     executor: Annotated[
-        str, typer.Option(help=f"Where steps run: {', '.join(EXECUTORS)} (local: a cgroup per step here).")
+        str,
+        typer.Option(
+            metavar="|".join(EXECUTORS), help="Where steps run (local: a cgroup per step here)."
+        ),
     ] = "local",
     check: Annotated[
         bool,
@@ -280,12 +339,12 @@ app.add_typer(embedded_app, name="embedded")
 
 @embedded_app.command("target")
 def embedded_target(
-    out: Annotated[Path, typer.Option(help="Folder for the model and tokenizer.")] = Path("model"),
+    out_dir: Annotated[Path, typer.Option(help="Folder for the model and tokenizer.")] = Path("model"),
 ) -> None:
     """Write the tiny target (a small Llama and its BPE tokenizer, made from the bundled samples)."""
     from pipeline.embedded.tiny import target_command
 
-    raise typer.Exit(target_command(out))
+    raise typer.Exit(target_command(out_dir))
 
 
 if __name__ == "__main__":

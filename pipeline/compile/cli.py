@@ -43,17 +43,23 @@ def build_flash_attn(
     source: Annotated[Path | None, typer.Option(help="An unpacked flash-attn source tree.")] = None,
     archs: Annotated[str, typer.Option(help="'auto' (this host's GPUs) or e.g. '100;120'.")] = "auto",
     budget: Annotated[
-        str, typer.Option(help="'auto' (cgroup-aware, less headroom) or a size up to what this process has.")
+        str,
+        typer.Option(
+            metavar="auto|SIZE",
+            help="'auto' (cgroup-aware, less headroom) or a size up to what this process has.",
+        ),
     ] = "auto",
-    threads: Annotated[str, typer.Option(help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")] = (
-        "auto"
-    ),
-    out: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(".eyrie/wheels"),
+    threads: Annotated[
+        str, typer.Option(metavar="auto|N", help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")
+    ] = "auto",
+    out_dir: Annotated[
+        Path, typer.Option(help="Wheel cache (and sources) directory.")
+    ] = Path(".eyrie/wheels"),
     run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
     python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
     cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
     headroom: Annotated[
-        str, typer.Option(help="Kept out of an auto budget.")
+        str, typer.Option(metavar="SIZE", help="Kept out of an auto budget.")
     ] = format_size(DEFAULT_HEADROOM),
     cpus: Annotated[
         int | None, typer.Option(help="CPU slots (default: this process's CPUs; $MAX_JOBS caps the jobs).")
@@ -80,9 +86,9 @@ def build_flash_attn(
             cpu_slots = min(cpu_slots, max_jobs * min(nvcc_threads, len(arch_set)))
         # Probed after the options are checked: it runs nvcc and imports torch (seconds).
         tools = toolchain(python or sys.executable, cuda_home)
-        src = source.resolve() if source else fetch_sdist(version, out / "src", tools.python)
+        src = source.resolve() if source else fetch_sdist(version, out_dir / "src", tools.python)
         plan = Plan(source_version(src), src, arch_set, nvcc_threads, budget_bytes, basis, tools, cpu_slots)
-        hit = cached_wheel(out, plan.cache_key)
+        hit = cached_wheel(out_dir, plan.cache_key)
         if hit is not None:
             console.print(f"cached wheel for {plan.cache_key}: {hit}")
             print(hit)
@@ -97,7 +103,7 @@ def build_flash_attn(
             console.print(text, highlight=False)
 
         wheel, report = run_build(
-            plan, out=out, run_dir=run_dir or out / "runs" / plan.cache_key, profile=measured, log=log
+            plan, out=out_dir, run_dir=run_dir or out_dir / "runs" / plan.cache_key, profile=measured, log=log
         )
     except BuildError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)  # one line, whatever the width

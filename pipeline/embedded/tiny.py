@@ -411,7 +411,7 @@ def ensure_tiny_target(
 
 
 def target_command(out: Path) -> int:
-    """``eyrie embedded target --out DIR``: the step that puts the tiny target in a run."""
+    """``eyrie embedded target --out-dir DIR``: the step that puts the tiny target in a run."""
     step_dir = step_dir_from_env()
     started = time.monotonic()
     folder = ensure_tiny_target(out)

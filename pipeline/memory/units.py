@@ -71,6 +71,16 @@ def parse_duration(text: str | int | float) -> float:
     return seconds
 
 
+def duration_text(seconds: float) -> str:
+    """``seconds`` as an option is written (``10m``, ``1h30m``, ``45s``): what parse_duration reads."""
+    whole = int(round(seconds))
+    if whole != seconds or whole < 1:
+        return f"{seconds:g}s"
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return "".join(f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (secs, "s")) if n)
+
+
 def format_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -68,6 +68,7 @@ def _release_target(value: str) -> str:
 ReleaseTarget = Annotated[
     str,
     typer.Option(
+        metavar="URL|no",
         help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'.",
         callback=_release_target,
     ),

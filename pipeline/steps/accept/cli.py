@@ -32,11 +32,15 @@ def accept(
         int, typer.Option(help="Row length training used.")
     ] = TRAINED["max_length"].default,
     prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens decoded per prompt.")] = 256,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,
     tp: Annotated[int, typer.Option(help="SGLang tensor parallelism: the GPUs it spans (sglang).")] = 1,
-    startup_timeout: Annotated[str, typer.Option(help="Wait this long for each server.")] = "60m",
-    request_timeout: Annotated[str, typer.Option()] = "10m",
+    startup_timeout: Annotated[
+        str, typer.Option(metavar="DURATION", help="Wait this long for each server.")
+    ] = "60m",
+    request_timeout: Annotated[
+        str, typer.Option(metavar="DURATION", help="Give up on one request after this long (sglang).")
+    ] = "10m",
     trust_remote_code: TrustRemoteCode = False,
     reasoning_parser: Annotated[
         str, typer.Option(help="SGLang's --reasoning-parser, as the target is served (empty: none).")

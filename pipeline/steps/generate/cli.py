@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.memory.units import format_duration
+from pipeline.memory.units import duration_text
 from pipeline.run.step_contract import error_lines, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
 from pipeline.steps.generate.conversation import MODES
@@ -38,7 +38,7 @@ def read_api_key(env_name: str | None, key_file: Path | None) -> str | None:
 def generate(
     prompts: Annotated[Path, typer.Argument(help="prompts.jsonl from the prep step.")],
     url: Annotated[
-        list[str] | None, typer.Option(help="OpenAI-compatible server base URL (repeatable).")
+        list[str] | None, typer.Option(metavar="URL", help="OpenAI-compatible server base URL (repeatable).")
     ] = None,
     serve: Annotated[
         Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
@@ -53,9 +53,15 @@ def generate(
     concurrency: Annotated[
         int, typer.Option(help="Requests in flight per server.")
     ] = GenerateConfig.concurrency,
-    temperature: Annotated[float, typer.Option()] = Sampling.temperature,
-    top_p: Annotated[float, typer.Option()] = Sampling.top_p,
-    max_tokens: Annotated[int, typer.Option()] = Sampling.max_tokens,
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature (0: greedy).")
+    ] = Sampling.temperature,
+    top_p: Annotated[
+        float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much probability.")
+    ] = Sampling.top_p,
+    max_tokens: Annotated[
+        int, typer.Option(help="Tokens at most in each answer (see --drop-truncated).")
+    ] = Sampling.max_tokens,
     seed: Annotated[
         int | None, typer.Option(help="Base seed; each row's seed derives from its id.")
     ] = Sampling.seed,
@@ -85,10 +91,16 @@ def generate(
     error_window: Annotated[
         int, typer.Option(help="Rows the error rate is taken over.")
     ] = GenerateConfig.error_window,
-    request_timeout: Annotated[str, typer.Option()] = format_duration(GenerateConfig.request_timeout_s),
+    request_timeout: Annotated[
+        str, typer.Option(metavar="DURATION", help="Give up on one request after this long (then retried).")
+    ] = duration_text(GenerateConfig.request_timeout_s),
     health_timeout: Annotated[
-        str, typer.Option(help="Wait this long for a server to answer /health: at start and in an outage.")
-    ] = format_duration(GenerateConfig.health_timeout_s),
+        str,
+        typer.Option(
+            metavar="DURATION",
+            help="Wait this long for a server to answer /health: at start and in an outage.",
+        ),
+    ] = duration_text(GenerateConfig.health_timeout_s),
     api_key_env: Annotated[str | None, typer.Option(help="Env var holding the API key.")] = "OPENAI_API_KEY",
     api_key_file: Annotated[Path | None, typer.Option(help="File holding the API key.")] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = GenerateConfig.limit,

@@ -14,7 +14,10 @@ from pipeline.steps.prep.prep import DEFAULT_WORKER_MEMORY
 def prep(
     catalog: Annotated[
         Path | None,
-        typer.Option(help="Catalog YAML of sources, or 'default' (the shipped ten-source mix, the default)."),
+        typer.Option(
+            metavar="FILE|default",
+            help="Catalog YAML of sources, or 'default' (the shipped ten-source mix, the default).",
+        ),
     ] = None,
     offline: Annotated[
         bool,
@@ -32,7 +35,10 @@ def prep(
         int | None, typer.Option(help="At most this many sources at once (default: what memory allows).")
     ] = None,
     worker_memory: Annotated[
-        str, typer.Option(help="Memory one source's worker may use; divides the budget into workers.")
+        str,
+        typer.Option(
+            metavar="SIZE", help="Memory one source's worker may use; divides the budget into workers."
+        ),
     ] = DEFAULT_WORKER_MEMORY,
 ) -> None:
     """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""

@@ -18,7 +18,10 @@ from pipeline.steps.tokenize.tokenize import (
 
 
 def tokenize(
-    tokenizer: Annotated[str, typer.Option(help="The target: a model folder or a hub id (its tokenizer).")],
+    tokenizer: Annotated[
+        str,
+        typer.Option(metavar="FOLDER|HUB_ID", help="The target: a model folder or a hub id (its tokenizer)."),
+    ],
     conversations: Annotated[
         list[Path] | None, typer.Option(help="A conversations .jsonl file (repeatable).")
     ] = None,
@@ -45,7 +48,7 @@ def tokenize(
         ),
     ] = None,
     worker_memory: Annotated[
-        str, typer.Option(help="Memory one worker may use; divides the budget into workers.")
+        str, typer.Option(metavar="SIZE", help="Memory one worker may use; divides the budget into workers.")
     ] = DEFAULT_WORKER_MEMORY,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:

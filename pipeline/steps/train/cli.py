@@ -124,7 +124,7 @@ def worker(cfg: TrainConfig) -> int:
         return 0
     built = result["built"]
     setup, draft = built.setup, built.draft.eval()
-    export_draft(draft, cfg.out / DRAFT, setup.layer_ids, dtype=setup.dtype)
+    export_draft(draft, cfg.out_dir / DRAFT, setup.layer_ids, dtype=setup.dtype)
     started = time.monotonic()
     simulated = simulated_acceptance(
         built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id, batch_size=cfg.batch_size,
@@ -143,7 +143,7 @@ def worker(cfg: TrainConfig) -> int:
         "eval_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
     }
-    atomic_write_text(cfg.out / EVAL, json.dumps(report, indent=2) + "\n")
+    atomic_write_text(cfg.out_dir / EVAL, json.dumps(report, indent=2) + "\n")
     measured = real["acceptance_length"]
     decoded = f"{measured:.2f}" if measured else "not measured (--eval-prompts 0)"
     print(
@@ -235,7 +235,8 @@ def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
             return EXIT_BAD_INPUT, False  # the worker said why
         code = failure.exitcode
         how = f"died of signal {-code}" if code < 0 else f"exited with {code}"
-        _say(f"worker rank {rank} {how}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
+        checkpoints = cfg.out_dir / "checkpoints"
+        _say(f"worker rank {rank} {how}; a rerun resumes from the last checkpoint in {checkpoints}")
         return EXIT_FAILED, False
     except SignalException as exc:
         _say(f"stopped by signal {exc.sigval}; a rerun resumes from the last checkpoint")
@@ -289,7 +290,7 @@ def _train_here(cfg: TrainConfig) -> int | None:
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         if cfg.target_placement == "offline":
             _in_child(offline_features, cfg)
-        resolved = cfg.out / RESOLVED
+        resolved = cfg.out_dir / RESOLVED
         atomic_write_text(resolved, cfg.model_dump_json(indent=2))
         rc, ran_rank_0 = launch_workers(cfg, resolved)
         if rc != 0:
@@ -309,16 +310,16 @@ def _train_here(cfg: TrainConfig) -> int | None:
 
 def train_command(config_file: Path | None, **overrides) -> int:
     step_dir = step_dir_from_env()
-    overrides.setdefault("out", None)
+    overrides.setdefault("out_dir", None)
     try:
         cfg = load_config(config_file, overrides)
-        if cfg.out == Path("."):
-            cfg.out = step_dir
+        if cfg.out_dir == Path("."):
+            cfg.out_dir = step_dir
         check_inputs(cfg)
     except SettingsError as exc:
         _say(str(exc))
         return EXIT_BAD_INPUT
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     try:
         with gpus_released(cfg.release_target, step_dir):
             rc = _train_here(cfg)
@@ -329,12 +330,12 @@ def train_command(config_file: Path | None, **overrides) -> int:
         _say(f"{exc}; a rerun tries again")
         return EXIT_FAILED
     except Terminated as exc:
-        _say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out}/checkpoints")
+        _say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out_dir}/checkpoints")
         return 128 + exc.signum
     if rc is not None:
         return rc
-    report = json.loads((cfg.out / EVAL).read_text())
-    outputs = [os.path.relpath(cfg.out / name, step_dir) for name in (DRAFT, EVAL)]
+    report = json.loads((cfg.out_dir / EVAL).read_text())
+    outputs = [os.path.relpath(cfg.out_dir / name, step_dir) for name in (DRAFT, EVAL)]
     stats = {
         k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding", "target_placement")
     }

@@ -23,8 +23,8 @@ class TrainConfig(BaseModel):
     """Run the code a target ships (``auto_map`` in its config), as Kimi-K2 needs."""
     release_target: str | None = None
     """URL of an SGLang server whose GPU memory training takes meanwhile (``sglang.gpus_released``)."""
-    out: Path = Path(".")
-    """Output folder (.: the step's directory)."""
+    out_dir: Path = Path(".")
+    """Where the draft, eval.json and checkpoints go (.: the step's directory)."""
     draft_vocab_size: int = Field(32000, ge=1)
     """Draft vocabulary: the most frequent assistant tokens."""
     ttt_steps: int = Field(7, ge=1)

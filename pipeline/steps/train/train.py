@@ -107,7 +107,7 @@ class DraftLoss(nn.Module):
 # Settings that do not change what is trained: a resume may change them. The three placements
 # train the same draft, so a run may resume under another.
 _NOT_TRAINING = {
-    "out", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
+    "out_dir", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
     "target_placement", "features_dir", "trust_remote_code", "release_target",
 }  # fmt: skip
 
@@ -176,7 +176,7 @@ def other_trainings(folder: Path, settings: dict) -> list[str]:
 def rows_file(cfg: TrainConfig) -> Path:
     """The memory-mapped rows of these shards at this length (other shards or lengths get another file)."""
     payload = {"data": _files_key(cfg.data, "*.parquet"), "max_length": cfg.max_length}
-    return cfg.out / "rows" / f"{_digest(payload)}.arrow"
+    return cfg.out_dir / "rows" / f"{_digest(payload)}.arrow"
 
 
 def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) -> Path:
@@ -188,7 +188,7 @@ def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) 
         "layer_ids": layer_ids,
         "dtype": str(dtype),
     }
-    return (cfg.features_dir or cfg.out / "features") / _digest(payload)
+    return (cfg.features_dir or cfg.out_dir / "features") / _digest(payload)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -456,7 +456,7 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
     settings = run_settings(cfg, world)
-    folder = cfg.out / "checkpoints" / run_key(cfg, world)
+    folder = cfg.out_dir / "checkpoints" / run_key(cfg, world)
     start, state = resume(folder, rank, world, local)
     if rank == 0:
         if not start:

@@ -37,7 +37,7 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     def run(*args: str):
         options = {"--source": str(source), "--archs": "120", "--threads": "1", "--budget": "8GiB",
-                   "--out": str(tmp_path / "out")}  # fmt: skip
+                   "--out-dir": str(tmp_path / "out")}  # fmt: skip
         for option, value in zip(args[::2], args[1::2], strict=True):
             options[option] = value
         return CliRunner().invoke(app, ["build", "flash-attn", *(x for kv in options.items() for x in kv)])

@@ -89,7 +89,7 @@ def test_step_command_writes_model_and_manifest(tmp_path):
     tiny.ensure_tiny_target()
     env = {**os.environ, "EYRIE_STEP_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "embedded", "target", "--out", "model"],
+        [sys.executable, "-m", "pipeline.cli", "embedded", "target", "--out-dir", "model"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -88,7 +88,7 @@ def test_a_file_not_in_utf8_is_refused_in_one_line(tmp_path):
 SETTINGS = """
 steps:
   - name: train
-    command: [eyrie, train, --target, "${TARGET:-Qwen/Qwen3-8B}", --out, "${EYRIE_STEP_DIR}/x", "${OWN}"]
+    command: [eyrie, train, --target, "${TARGET:-Qwen/Qwen3-8B}", --out-dir, "${EYRIE_STEP_DIR}/x", "${OWN}"]
     memory: "${TRAIN_MEMORY:-2GiB}"
     gpus: "${GPUS:-0}"
     docker: {image: "eyrie-pipeline:${TAG:-latest}"}

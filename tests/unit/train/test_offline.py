@@ -219,7 +219,7 @@ def wide_run(tmp_path):
     (tmp_path / "shards").mkdir()
     pq.write_table(pa.table(rows), tmp_path / "shards" / "shard-00000.parquet")
     cfg = TrainConfig(
-        data=tmp_path / "shards", target=target, out=tmp_path / "out", target_placement="offline",
+        data=tmp_path / "shards", target=target, out_dir=tmp_path / "out", target_placement="offline",
         draft_vocab_size=64, ttt_steps=2, batch_size=2, max_length=32, threads=1, heldout_fraction=0.1,
     )  # fmt: skip
     whole = prepare(cfg, 1, [Device("cpu", 1 << 40)])

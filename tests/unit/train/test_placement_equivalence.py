@@ -79,7 +79,7 @@ def _target(tmp_path, kind: str):
 
 def _settings(data, target, out, placement: str) -> TrainConfig:
     return TrainConfig(
-        data=data, target=target, out=out, target_placement=placement, draft_vocab_size=64, ttt_steps=3,
+        data=data, target=target, out_dir=out, target_placement=placement, draft_vocab_size=64, ttt_steps=3,
         batch_size=2, max_length=48, max_steps=8, checkpoint_every=4, log_every=4, lr=1e-3, threads=1,
         heldout_fraction=0.1,
     )  # fmt: skip

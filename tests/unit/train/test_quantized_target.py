@@ -95,7 +95,7 @@ def test_a_draft_trains_against_the_quantized_target(int4_target, tmp_path):
     pq.write_table(pa.table({"input_ids": rows, "loss_mask": [[0] * 8 + [1] * 16] * 16}),
                    tmp_path / "shards" / "shard-00000.parquet")  # fmt: skip
     cfg = TrainConfig(
-        data=tmp_path / "shards", target=folder, out=tmp_path / "train", draft_vocab_size=64, ttt_steps=2,
+        data=tmp_path / "shards", target=folder, out_dir=tmp_path / "train", draft_vocab_size=64, ttt_steps=2,
         layer_ids=[1, 2, 3], batch_size=2, max_steps=3, heldout_fraction=0.0, checkpoint_every=100, threads=1,
     )  # fmt: skip
     result = train(cfg, log=lambda _: None)

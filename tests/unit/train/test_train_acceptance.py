@@ -32,7 +32,7 @@ def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict
 
 
 def _untrained_draft_acceptance(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> float:
-    cfg = cfg.model_copy(update={"max_steps": 1, "lr": 1e-12, "out": cfg.out / "untrained"})
+    cfg = cfg.model_copy(update={"max_steps": 1, "lr": 1e-12, "out_dir": cfg.out_dir / "untrained"})
     return _evaluate(cfg, prompts, max_new_tokens)[1]["acceptance_length"]
 
 
@@ -68,7 +68,7 @@ def random_target_run(tmp_path_factory):
     (root / "shards").mkdir()
     pq.write_table(pa.table(rows), root / "shards" / "shard-00000.parquet")
     return TrainConfig(
-        data=root / "shards", target=root / "target", out=root / "train", draft_vocab_size=192,
+        data=root / "shards", target=root / "target", out_dir=root / "train", draft_vocab_size=192,
         ttt_steps=4, layer_ids=[0, 1, 2], lr=1e-2, batch_size=8, max_steps=80,
         heldout_fraction=0.1, checkpoint_every=1000, threads=1,
     )  # fmt: skip
@@ -89,7 +89,8 @@ def test_the_cpu_benchmark_measures_a_target_that_names_one_end_id(random_target
     from benchmarks.train_cpu import measure
 
     assert random_target_run.model_copy().target  # the bigram target: eos_token_id=1, one int
-    cfg = random_target_run.model_copy(update={"max_steps": 2, "out": random_target_run.out / "bench"})
+    bench = random_target_run.out_dir / "bench"
+    cfg = random_target_run.model_copy(update={"max_steps": 2, "out_dir": bench})
     figures = measure(cfg, eval_prompts=2, max_new_tokens=8)
     assert figures["verify_forwards"] > 0 and figures["real_acceptance_length"] >= 1.0
 
@@ -101,7 +102,7 @@ def test_tiny_target_acceptance_at_least_2_5_with_k7(tmp_path):
     from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
 
     cfg = TrainConfig(
-        data=ensure_distilled_shards(), target=ensure_tiny_target(), out=tmp_path, draft_vocab_size=2048,
+        data=ensure_distilled_shards(), target=ensure_tiny_target(), out_dir=tmp_path, draft_vocab_size=2048,
         ttt_steps=7, lr=3e-3, batch_size=8, max_steps=150, heldout_fraction=0.15,
         checkpoint_every=1000, threads=1,
     )  # fmt: skip

@@ -87,7 +87,7 @@ def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
     rows = {"input_ids": [list(range(2, 34))] * 4, "loss_mask": [[0] * 8 + [1] * 24] * 4}
     pq.write_table(pa.table(rows), inputs["data"] / "shard-00000.parquet")
     resolved = tmp_path / "train_config.json"
-    resolved.write_text(TrainConfig(**inputs, out=tmp_path).model_dump_json())
+    resolved.write_text(TrainConfig(**inputs, out_dir=tmp_path).model_dump_json())
     assert worker_main(resolved) == cli.EXIT_BAD_INPUT
     lines = capsys.readouterr().err.splitlines()
     if local_rank == "0":
@@ -110,7 +110,7 @@ def test_launcher_offers_a_resume_only_when_a_worker_did_not_refuse_its_input(
         return launch
 
     monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", failing_launch)
-    cfg = TrainConfig(data=tmp_path, target=tmp_path, out=tmp_path, nproc=2)
+    cfg = TrainConfig(data=tmp_path, target=tmp_path, out_dir=tmp_path, nproc=2)
     assert cli.launch_workers(cfg, tmp_path / "train_config.json") == (rc, False)
     err = capsys.readouterr().err
     assert ("a rerun resumes from the last checkpoint" in err) == resume
@@ -151,7 +151,7 @@ def test_only_the_node_of_global_rank_0_writes_the_manifest(
 
 def test_resolved_settings_round_trip(tmp_path, inputs):
     resolved = tmp_path / "train_config.json"
-    cfg = TrainConfig(**inputs, out=tmp_path, layer_ids=[1, 2, 3])
+    cfg = TrainConfig(**inputs, out_dir=tmp_path, layer_ids=[1, 2, 3])
     resolved.write_text(cfg.model_dump_json())
     assert cli.read_resolved(resolved) == cfg
     resolved.write_text(json.dumps({**json.loads(cfg.model_dump_json()), "nproc": 0}))
@@ -176,7 +176,7 @@ def test_an_internal_error_is_a_failure_with_its_traceback_never_a_bad_input_lin
     """Only the step's own error types are bad input (exit 2, no resume offered): a ValueError from a
     bug propagates, and the launcher offers a resume."""
     resolved = tmp_path / "train_config.json"
-    resolved.write_text(TrainConfig(**inputs, out=tmp_path).model_dump_json())
+    resolved.write_text(TrainConfig(**inputs, out_dir=tmp_path).model_dump_json())
 
     def buggy(cfg):
         raise ValueError("a bug")

@@ -174,7 +174,7 @@ def test_batches_built_by_index_equal_the_ones_built_from_python_lists(tmp_path)
 
 def test_the_rows_file_is_written_once_and_keyed_by_the_shards_and_the_length(tmp_path, monkeypatch):
     shards = write_odd_shards(tmp_path)
-    cfg = TrainConfig(data=shards, target=tmp_path, out=tmp_path / "out", max_length=MAX_LENGTH)
+    cfg = TrainConfig(data=shards, target=tmp_path, out_dir=tmp_path / "out", max_length=MAX_LENGTH)
     mapped = rows_file(cfg)
     assert mapped.parent == tmp_path / "out" / "rows"
     first = load_shards(shards, MAX_LENGTH, mapped)

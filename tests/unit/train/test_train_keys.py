@@ -116,7 +116,7 @@ def test_sharded_with_several_processes_trains_in_one(tiny, tmp_path, capsys):
     """The pipeline file's defaults (EYRIE_TRAIN_PROCESSES=8) with EYRIE_TARGET_PLACEMENT=sharded:
     the launcher runs one process, before any worker could refuse."""
     cfg = TrainConfig(
-        data=tiny / "shards", target=tiny / "target", out=tmp_path, target_placement="sharded", nproc=8
+        data=tiny / "shards", target=tiny / "target", out_dir=tmp_path, target_placement="sharded", nproc=8
     )
     launched = placement_for_launch(cfg)
     assert (launched.nproc, launched.target_placement) == (1, "sharded")
@@ -125,7 +125,7 @@ def test_sharded_with_several_processes_trains_in_one(tiny, tmp_path, capsys):
 
 def test_a_rerun_that_cannot_resume_says_which_setting_changed(tiny, tmp_path):
     cfg = TrainConfig(
-        data=tiny / "shards", target=tiny / "target", out=tmp_path, draft_vocab_size=64, ttt_steps=2,
+        data=tiny / "shards", target=tiny / "target", out_dir=tmp_path, draft_vocab_size=64, ttt_steps=2,
         batch_size=2, max_length=32, max_steps=2, checkpoint_every=1, lr=1e-3, threads=1,
         heldout_fraction=0.1,
     )  # fmt: skip

@@ -172,8 +172,8 @@ def test_shards_of_another_vocabulary_are_a_one_line_error(small_run, tmp_path):
 def test_checkpoints_are_keyed_by_settings_and_data(small_run, tmp_path):
     from pipeline.steps.train.train import TrainConfig, run_key
 
-    cfg = TrainConfig(data=small_run["data"], target=small_run["target"], out=tmp_path)
-    same = cfg.model_copy(update={"threads": 1, "eval_prompts": 3, "out": tmp_path / "x"})
+    cfg = TrainConfig(data=small_run["data"], target=small_run["target"], out_dir=tmp_path)
+    same = cfg.model_copy(update={"threads": 1, "eval_prompts": 3, "out_dir": tmp_path / "x"})
     assert run_key(cfg, 1) == run_key(same, 1)
     assert run_key(cfg, 1) != run_key(cfg.model_copy(update={"lr": 5e-4}), 1)
     assert run_key(cfg, 1) != run_key(cfg, 2)
