@@ -79,14 +79,20 @@ class PlainArgument(TyperArgument):
         return None
 
 
-def plain_help(command: TyperCommand | TyperGroup) -> TyperCommand | TyperGroup:
-    """``command`` and its subcommands with :class:`PlainOption` and :class:`PlainArgument` help."""
-    for param in command.get_params(typer.Context(command)):
+def plain_params(params: list) -> list:
+    """``params`` with :class:`PlainOption` and :class:`PlainArgument` help, in place."""
+    for param in params:
         if type(param) is TyperOption:
             param.__class__ = PlainOption
         elif type(param) is TyperArgument:
             param.__class__ = PlainArgument
             param.metavar = param.metavar or param.name.upper()
+    return params
+
+
+def plain_help(command: TyperCommand | TyperGroup) -> TyperCommand | TyperGroup:
+    """``command`` and its subcommands with plain help (:func:`plain_params`)."""
+    plain_params(command.get_params(typer.Context(command)))
     for subcommand in getattr(command, "commands", {}).values():
         plain_help(subcommand)
     return command
@@ -96,11 +102,7 @@ class EyrieCommands(TyperGroup):
     """eyrie's own commands, then the steps', each loaded on first use; help in plain words."""
 
     def get_params(self, ctx: typer.Context) -> list:
-        params = super().get_params(ctx)
-        for param in params:
-            if type(param) is TyperOption:
-                param.__class__ = PlainOption
-        return params
+        return plain_params(super().get_params(ctx))
 
     def list_commands(self, ctx: typer.Context) -> list[str]:
         return [*super().list_commands(ctx), *(n for n in STEP_COMMANDS if n not in self.commands)]
