@@ -128,7 +128,7 @@ def worker(cfg: TrainConfig) -> int:
     started = time.monotonic()
     simulated = simulated_acceptance(
         built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id, batch_size=cfg.batch_size,
-        loss_chunk=cfg.loss_chunk,
+        loss_chunk=cfg.loss_chunk, precision=setup.precision,
     )  # fmt: skip
     prompts = setup.heldout[: cfg.eval_prompts]
     target = target_for_evaluation(cfg, built) if prompts else None
@@ -336,9 +336,10 @@ def train_command(config_file: Path | None, **overrides) -> int:
         return rc
     report = json.loads((cfg.out_dir / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out_dir / name, step_dir) for name in (DRAFT, EVAL)]
-    stats = {
-        k: report[k] for k in ("optimizer_steps", "simulated", "speculative_decoding", "target_placement")
-    }
+    recorded = (
+        "optimizer_steps", "precision", "attention", "simulated", "speculative_decoding", "target_placement"
+    )
+    stats = {k: report[k] for k in recorded}
     write_manifest(step_dir, outputs, stats=stats)
     return 0
 

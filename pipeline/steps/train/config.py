@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.steps.train.placement import Placement
+from pipeline.steps.train.precision import Precision
 
 
 class TrainConfig(BaseModel):
@@ -73,6 +74,9 @@ class TrainConfig(BaseModel):
     """Where the target lives: auto, replicated, sharded or offline."""
     features_dir: Path | None = None
     """Where the offline placement writes the target's features (default: OUT/features)."""
+    precision: Precision = "auto"
+    """What training computes in: auto, fp32 or bf16 (the target held in bf16, autocast); auto is bf16
+    where the device multiplies it fast (a GPU with bf16, a CPU with AVX-512 BF16, AMX or Arm BF16)."""
     dequantize_target: bool = False
     """Hold a quantized target dequantized (its dense size) instead of packed as stored."""
 

@@ -62,6 +62,7 @@ from pipeline.steps.train.placement import (
     target_units,
 )
 from pipeline.steps.train.placement import plan as plan_placement
+from pipeline.steps.train.precision import autocast, dtype_of, resolve, training_device_type
 
 
 class TrainingInputError(ValueError):
@@ -105,10 +106,10 @@ class DraftLoss(nn.Module):
 
 
 # Settings that do not change what is trained: a resume may change them. The three placements
-# train the same draft, so a run may resume under another.
+# train the same draft, so a run may resume under another. The precision counts as resolved.
 _NOT_TRAINING = {
     "out_dir", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
-    "target_placement", "features_dir", "trust_remote_code", "release_target",
+    "target_placement", "features_dir", "trust_remote_code", "release_target", "precision",
 }  # fmt: skip
 
 
@@ -126,9 +127,10 @@ def _digest(payload: dict) -> str:
 
 
 def run_settings(cfg: TrainConfig, world: int) -> dict:
-    """What makes one training: its settings, its data files, its world size (processes)."""
+    """What makes one training: its settings (its precision as resolved here), its data files, its
+    world size (processes)."""
     return {
-        "config": cfg.model_dump(mode="json", exclude=_NOT_TRAINING),
+        "config": {**cfg.model_dump(mode="json", exclude=_NOT_TRAINING), "precision": resolve(cfg.precision)},
         "data": _files_key(cfg.data, "*.parquet"),
         "world": world,
     }
@@ -226,7 +228,10 @@ class Setup:
     """The target's language model's config (a vision-language wrapper's ``text_config``)."""
     checkpoint_config: Any
     """The target's own config, which its checkpoint is loaded by."""
+    precision: str
+    """The precision training computes in (``auto`` resolved): fp32 or bf16."""
     dtype: torch.dtype
+    """The dtype the target is held in at that precision."""
     pad_id: int
     """What batches are padded with (positions outside the attention and loss masks)."""
     rows: Rows
@@ -276,7 +281,8 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
     checkpoint_config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
     config = language_config(checkpoint_config)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    precision = resolve(cfg.precision)
+    dtype = dtype_of(precision)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     try:
         rows = load_shards(cfg.data, cfg.max_length, rows_file(cfg))
@@ -308,6 +314,7 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     return Setup(
         config,
         checkpoint_config,
+        precision,
         dtype,
         pad_id,
         rows,
@@ -342,8 +349,9 @@ def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
     pending = pending_pass(setup.rows, folder, setup.config.hidden_size, setup.dtype)  # the disk first
     target = _load(cfg, setup.dtype, setup.plan.features)
     source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=torch.device("cpu"))
-    write_features(source.hidden, pending, setup.layer_ids, cfg.batch_size, setup.pad_id, log)
-    del source, target  # the target's memory goes back to the devices before training starts
+    hidden = autocast(setup.precision, training_device_type())(source.hidden)  # as online training runs it
+    write_features(hidden, pending, setup.layer_ids, cfg.batch_size, setup.pad_id, log)
+    del hidden, source, target  # the target's memory goes back to the devices before training starts
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -472,12 +480,11 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
 
     module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk)
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     started, tokens_seen, last = time.monotonic(), 0, {}
     for step in range(start, total):
         batch = collate(batch_at(train_rows, step, cfg.batch_size, cfg.seed, rank, world), setup.pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast:
+        with autocast(setup.precision, device.type):
             teacher = source(batch["input_ids"], batch["attention_mask"])
             loss, stats = model(batch["input_ids"], batch["loss_mask"], teacher)
         optimizer.zero_grad(set_to_none=True)
@@ -517,6 +524,8 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
         "draft_vocab_size": int(draft.d2t.shape[0]),
         "layer_ids": list(source.layer_ids),
         "tokens_per_s_this_run": round(tokens_seen * world / elapsed, 1) if elapsed else None,
+        "precision": setup.precision,
+        "attention": built.target.config._attn_implementation if built.target is not None else None,
         "final": last,
         "target_placement": setup.plan.as_dict(),
     }
@@ -549,6 +558,7 @@ def simulated_acceptance(
     *,
     batch_size: int,
     loss_chunk: int,
+    precision: str,
 ) -> dict:
     """Per-step argmax agreement on held-out rows, and the acceptance length it implies.
 
@@ -556,17 +566,16 @@ def simulated_acceptance(
     probability prod_{j<=k} acc_j, so the expected accepted drafts are the sum of those
     products, and a target forward yields one token more (its own).
 
-    Give training's batch size and loss chunk: with autocast on a GPU, as in training, this then
-    holds less than a training step, which the placement planned.
+    Give training's batch size, loss chunk and precision: this then holds less than a training
+    step, which the placement planned, and computes as training did.
     """
     module = DraftLoss(draft, steps, 1.0, loss_chunk)
     correct = torch.zeros(steps, dtype=torch.float64)
     count = torch.zeros(steps, dtype=torch.float64)
     device = draft.fc.weight.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i : i + batch_size], pad_id).items()}
-        with autocast:
+        with autocast(precision, device.type):
             target = source(batch["input_ids"], batch["attention_mask"])
             _, stats = module(batch["input_ids"], batch["loss_mask"], target)
         for k, (_, c, n) in enumerate(stats):

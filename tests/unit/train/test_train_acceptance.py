@@ -23,8 +23,9 @@ def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict
     assert len(heldout) >= 8, "too few held-out rows to measure anything"
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
     simulated = simulated_acceptance(
-        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk
-    )
+        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk,
+        precision=result["summary"]["precision"],
+    )  # fmt: skip
     real = real_acceptance(
         target, draft, heldout[:prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
     )

@@ -132,6 +132,8 @@ def test_only_the_node_of_global_rank_0_writes_the_manifest(
             placement = {"placement": "replicated", "devices": []}
             report = {
                 "optimizer_steps": 4,
+                "precision": "fp32",
+                "attention": "sdpa",
                 "simulated": {},
                 "speculative_decoding": {},
                 "target_placement": placement,

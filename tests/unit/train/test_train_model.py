@@ -217,7 +217,7 @@ def test_fp32_draft_is_evaluated_on_a_bf16_target():
     torch.manual_seed(6)
     rows = [Example(torch.randint(2, 96, (16,)).tolist(), [0] * 6 + [1] * 10, "") for _ in range(3)]
     source = OnlineTarget(target, [0, 2, 3], draft.d2t, draft.t2d)
-    simulated = simulated_acceptance(source, draft, rows, 3, 0, batch_size=2, loss_chunk=8)
+    simulated = simulated_acceptance(source, draft, rows, 3, 0, batch_size=2, loss_chunk=8, precision="fp32")
     assert len(simulated["acc"]) == 3 and simulated["acceptance_length"] >= 1.0
     real = real_acceptance(target, draft, rows, 3, max_new_tokens=8, eos_ids={1})
     assert real["verify_forwards"] > 0
@@ -239,9 +239,11 @@ def test_simulated_acceptance_holds_what_a_training_step_holds(monkeypatch):
         batches.append(input_ids.shape[0])
         return source(input_ids, attention_mask)
 
-    chunked = simulated_acceptance(counted, draft, rows, 3, 0, batch_size=3, loss_chunk=5)
+    chunked = simulated_acceptance(counted, draft, rows, 3, 0, batch_size=3, loss_chunk=5, precision="fp32")
     assert batches == [3, 3, 1] and max(positions) <= 5
-    whole = simulated_acceptance(source, draft, rows, 3, 0, batch_size=7, loss_chunk=1 << 30)
+    whole = simulated_acceptance(
+        source, draft, rows, 3, 0, batch_size=7, loss_chunk=1 << 30, precision="fp32"
+    )
     assert chunked["acc"] == pytest.approx(whole["acc"])
 
 
