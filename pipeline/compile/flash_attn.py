@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
-from pipeline.memory import Budget, format_size, memory_budget, parse_size
+from pipeline.memory import GIB, Budget, format_size, memory_budget, parse_size
 from pipeline.run.step_contract import atomic_path
 
 if TYPE_CHECKING:
@@ -36,10 +36,10 @@ FLASH_ATTN_VERSION = "2.8.3"
 """The release built by default: the one whose measured profiles ship (``profiles/``)."""
 FLASH_ATTN_ARCHS = ("80", "90", "100", "120")
 """The architectures flash-attn 2.8.3's setup.py knows (``FLASH_ATTN_CUDA_ARCHS``)."""
-DEFAULT_HEADROOM = 2 * 2**30
+DEFAULT_HEADROOM = 2 * GIB
 """Left outside the budget for what the broker does not admit: setup.py, ninja, the
 waiting nvcc stand-ins, the C++ compile of flash_api.cpp (~1.5 GiB) and the link."""
-DEFAULT_JOB_PEAK_PER_ARCH = 8 * 2**30
+DEFAULT_JOB_PEAK_PER_ARCH = 8 * GIB
 """A never-measured flash-attn TU: above the largest peak measured for one arch
 (a backward kernel, ~6.6 GiB for sm_120), so an unknown file is never packed too tight."""
 
@@ -204,7 +204,7 @@ def resolve_budget(text: str, headroom: int, has: Budget | None = None) -> tuple
         if budget > has.available:
             raise BuildError(
                 f"--budget {text!r} is more than this process has: {available}; pass at most "
-                f"{max(0, has.available - headroom) / 2**30:.1f}GiB (or auto: what it has less "
+                f"{max(0, has.available - headroom) / GIB:.1f}GiB (or auto: what it has less "
                 f"{format_size(headroom, 'GiB')} headroom), or free memory first"
             )
         warnings = []

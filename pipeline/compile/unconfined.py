@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.memory import Cgroup, CgroupError, current_cgroup
+from pipeline.memory import KIB, Cgroup, CgroupError, current_cgroup
 from pipeline.run.executor import STOP_GRACE_S, Launch, LineCapture, Outcome
 
 POLL_S = 0.2
@@ -45,7 +45,7 @@ def tree_anon_bytes(pid: int) -> int:
         try:
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
                 if line.startswith("RssAnon:"):
-                    total += int(line.split()[1]) * 1024
+                    total += int(line.split()[1]) * KIB
                     break
         except (FileNotFoundError, ProcessLookupError):
             continue

@@ -17,9 +17,13 @@ from pipeline.memory.cgroup import (
     detect_hierarchy,
     step_parent,
 )
-from pipeline.memory.units import format_duration, format_size, parse_duration, parse_size
+from pipeline.memory.units import GIB, KIB, MIB, TIB, format_duration, format_size, parse_duration, parse_size
 
 __all__ = [
+    "GIB",
+    "KIB",
+    "MIB",
+    "TIB",
     "Budget",
     "Cgroup",
     "CgroupError",

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.memory.cgroup import Cgroup, CgroupError, current_cgroup
+from pipeline.memory.units import KIB
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def read_meminfo(proc: Path = Path("/proc")) -> dict[str, int]:
         key, _, rest = line.partition(":")
         parts = rest.split()
         if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+            out[key] = int(parts[0]) * (KIB if len(parts) > 1 and parts[1] == "kB" else 1)
     return out
 
 

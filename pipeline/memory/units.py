@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -15,10 +17,10 @@ _SIZE_UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": TIB,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 

@@ -23,6 +23,7 @@ from pipeline.provision.runner import (
     ProvisionResult,
     provision,
 )
+from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 HOST_TESTS = REPO / "tests" / "host"
 # ssh's own exit status when it could not connect (the remote command's otherwise).
@@ -84,7 +85,7 @@ def provision_command(
             )
     except ProvisionError as exc:
         _print_errors(console, "provision", str(exc))
-        return 2
+        return EXIT_BAD_INPUT
     console.print(_recap_table(result))
     console.print(f"artifacts: {result.artifacts}")
     for failure in result.failures:
@@ -151,14 +152,14 @@ def verify_command(host: str | None, inventory: Path | None, extra: list[str]) -
 
     if (host is None) == (inventory is None):
         error("give exactly one of --host NAME or --inventory FILE")
-        return 2
+        return EXIT_BAD_INPUT
     if host is not None:
         hostspecs, ansible_inventory = [f"ssh://{host}"], None
         target = [f"--hosts=ssh://{host}"]
     else:
         if not inventory.exists():
             error(f"inventory {inventory} does not exist")
-            return 2
+            return EXIT_BAD_INPUT
         ansible_inventory = inventory.resolve()
         try:
             read_inventory(
@@ -166,7 +167,7 @@ def verify_command(host: str | None, inventory: Path | None, extra: list[str]) -
             )
         except ProvisionError as exc:
             error(str(exc))
-            return 2
+            return EXIT_BAD_INPUT
         hostspecs = [f"ansible://{HOST_GROUP}"]
         target = [f"--hosts=ansible://{HOST_GROUP}", f"--ansible-inventory={ansible_inventory}"]
     # testinfra's ansible backend runs `ansible-inventory`, here and in pytest: the one beside this Python.

@@ -10,7 +10,7 @@ import html
 import math
 from dataclasses import dataclass
 
-KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
+from pipeline.memory.units import GIB, KIB, MIB, TIB
 
 VERDICT_COLORS = {
     "succeeded": "#1a7f37",

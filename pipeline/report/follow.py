@@ -31,6 +31,7 @@ from pipeline.report.status import VERDICT_STYLE, open_ledger, unreadable, wide_
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
+from pipeline.run.step_contract import EXIT_BAD_INPUT
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0
@@ -209,7 +210,7 @@ def follow_command(run_dir: Path, json_output: bool) -> int:
     console, err = wide_console(), Console(stderr=True)
     ledger = open_ledger(run_dir, err)
     if ledger is None:
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return _follow(ledger, run_dir, console, json_output)
     except sqlite3.Error as exc:
@@ -224,7 +225,7 @@ def _follow(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) 
     current = view(ledger, run_dir)
     if current is None:
         Console(stderr=True).print(f"[red]error:[/] the ledger in {escape(str(run_dir))} holds no run yet")
-        return 2
+        return EXIT_BAD_INPUT
     if json_output:
         while True:
             print(json.dumps(current.as_json()), flush=True)

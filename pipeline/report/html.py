@@ -43,7 +43,7 @@ from pipeline.report.status import (
 )
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.step_contract import atomic_write_text, read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }
@@ -242,10 +242,10 @@ def report_command(run_dir: Path | None, runs: Path, out: Path | None) -> int:
     err = Console(stderr=True)
     run_dir = resolve_run_dir(run_dir, runs, err)
     if run_dir is None:
-        return 2
+        return EXIT_BAD_INPUT
     ledger = open_ledger(run_dir, err)
     if ledger is None:
-        return 2
+        return EXIT_BAD_INPUT
     try:
         page = render(ledger, run_dir)
     except sqlite3.Error as exc:

@@ -17,7 +17,7 @@ from pipeline.report.neighbours import neighbours
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger, StepState
-from pipeline.run.step_contract import MANIFEST_NAME, read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, MANIFEST_NAME, read_manifest
 from pipeline.run.verdict import meaningful
 
 # Steps that have no attempt in the run to show: listed below the attempts with their state.
@@ -103,7 +103,7 @@ def unreadable(path: Path, exc: sqlite3.Error, err: Console) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def exit_text(row: AttemptRow) -> str:
@@ -132,17 +132,17 @@ def status_command(
             highlight=False,
             soft_wrap=True,
         )
-        return 2
+        return EXIT_BAD_INPUT
     run_dir = resolve_run_dir(run_dir, runs, err)
     if run_dir is None:
-        return 2
+        return EXIT_BAD_INPUT
     if follow:
         from pipeline.report.follow import follow_command
 
         return follow_command(run_dir, json_output)
     ledger = open_ledger(run_dir, err)
     if ledger is None:
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return _status(ledger, console, json_output, history)
     except sqlite3.Error as exc:
@@ -333,10 +333,10 @@ def explain_command(run_dir: Path | None, runs: Path, step: str, attempt: int | 
     console, err = wide_console(), Console(stderr=True)
     run_dir = resolve_run_dir(run_dir, runs, err)
     if run_dir is None:
-        return 2
+        return EXIT_BAD_INPUT
     ledger = open_ledger(run_dir, err)
     if ledger is None:
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return _explain(ledger, run_dir, step, attempt, console, err)
     except sqlite3.Error as exc:
@@ -373,7 +373,7 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
             highlight=False,
             soft_wrap=True,
         )
-        return 2
+        return EXIT_BAD_INPUT
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
     for line in explain(row, run_dir) + neighbours(ledger, row):

@@ -14,7 +14,7 @@ from pipeline.memory import CgroupError, format_duration, format_size
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
 from pipeline.run.orchestrator import Orchestrator, RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
-from pipeline.run.step_contract import say_error
+from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
@@ -83,7 +83,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str,
         orchestrator = Orchestrator(spec, pipeline_file, run_dir, executor, ConsoleReporter(console))
     except (PipelineError, ExecutorError, CgroupError) as exc:
         say_error(str(exc))
-        return 2
+        return EXIT_BAD_INPUT
     if check is not None:
         problems = orchestrator.check(check)
         for problem in problems:
@@ -101,7 +101,7 @@ def run_command(pipeline_file: Path, run_dir: Path, executor_name: str,
         result = orchestrator.run()
     except (PipelineError, ExecutorError, CgroupError, RunDirBusy) as exc:
         say_error(str(exc))
-        return 2
+        return EXIT_BAD_INPUT
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

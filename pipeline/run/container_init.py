@@ -30,6 +30,7 @@ from pathlib import Path
 from pipeline.memory import Cgroup, CgroupError, current_cgroup
 from pipeline.run.executor import STOP_GRACE_S
 from pipeline.run.monitor import CgroupMonitor
+from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process
 
@@ -144,7 +145,7 @@ def main() -> int:
     args = sys.argv[1:]
     if len(args) < 3 or args[1] != "--":
         print("usage: python3 -m pipeline.run.container_init REPORT -- ARGV...", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return run(Path(args[0]), args[2:])
     except CgroupError as exc:

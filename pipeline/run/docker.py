@@ -46,6 +46,7 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
+from pipeline.run.layout import attempt_name
 from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
 try:
@@ -450,7 +451,7 @@ class DockerExecutor:
         unique = {m["Target"]: m for m in mounts if m is not None}
 
         device_requests = [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])] if launch.gpus else None
-        name = f"eyrie-{launch.run_id}-{launch.step}-{launch.attempt}"
+        name = attempt_name(launch.run_id, launch.step, launch.attempt)
         stale = self.client.containers.list(all=True, filters={"name": f"^/{name}$"})
         for container in stale:  # left by a runner that died with the same run id
             container.remove(force=True)

@@ -7,6 +7,12 @@ from pathlib import Path
 STATE_DIR = ".eyrie"
 
 
+def attempt_name(run_id: str, step: str, attempt: int) -> str:
+    """What an attempt is called where an engine names it (a container, a Slurm job): unique per
+    run, step and attempt, so a rerun finds what an earlier runner left by its name."""
+    return f"eyrie-{run_id}-{step}-{attempt}"
+
+
 def attempt_logs(run_dir: Path, step: str, attempt: int) -> tuple[Path, Path]:
     """The files an attempt's stdout and stderr are kept in."""
     logs = Path(run_dir) / STATE_DIR / "logs" / step

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pipeline.memory import Cgroup, MemorySample
 from pipeline.memory.events import event_notifier
-from pipeline.memory.units import format_size
+from pipeline.memory.units import MIB, format_size
 
 POLL_S = 0.1
 FAST_POLL_S = 0.005
@@ -42,7 +42,7 @@ THRASH_S = 20.0
 THRASH_FAULTS_PER_S = 10
 # Anonymous memory within this much of the limit (or 2% of it, if more) leaves the page cache
 # too little room for the processes' own code.
-THRASH_HEADROOM = 64 * 2**20
+THRASH_HEADROOM = 64 * MIB
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import Budget, CgroupError, format_size
+from pipeline.memory import MIB, Budget, CgroupError, format_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import (
     AttemptStillRunning,
@@ -61,7 +61,6 @@ from pipeline.run.step_contract import (
 )
 from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
-_MIB = 1024 * 1024
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors: STOP_GRACE_S)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
 SUBMIT_RETRY_S = 60.0  # a submission that got no answer (a detached executor's) is tried again after this
@@ -620,7 +619,7 @@ class Orchestrator:
         if verdict not in MEMORY_VERDICTS:
             return limit, f"attempt after {verdict}, retry_on names it; limit unchanged"
         basis = max(limit, outcome.peak_bytes or 0)
-        wanted = math.ceil(basis * step.memory_growth / _MIB) * _MIB
+        wanted = math.ceil(basis * step.memory_growth / MIB) * MIB
         new = min(wanted, pool)
         if new <= limit:
             return (

@@ -66,7 +66,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from pipeline.memory import Budget, parse_duration
+from pipeline.memory import MIB, Budget, parse_duration
 from pipeline.run.executor import (
     STDERR_TAIL_LINES,
     AttemptStillRunning,
@@ -77,6 +77,7 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
+from pipeline.run.layout import attempt_name
 
 POLL_S = 1.0
 """How often the runner asks ``squeue`` about its jobs (one call for all of them)."""
@@ -603,10 +604,6 @@ def report_path(launch: Launch) -> Path:
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.slurm.json")
 
 
-def job_name(launch: Launch) -> str:
-    return f"eyrie-{launch.run_id}-{launch.step}-{launch.attempt}"
-
-
 def batch_script(launch: Launch) -> str:
     """The job's script: the step under the in-job wrapper, through srun when it asks for nodes."""
     options = launch.options if isinstance(launch.options, SlurmOptions) else SlurmOptions()
@@ -632,10 +629,11 @@ def batch_script(launch: Launch) -> str:
 
 def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     options = launch.options if isinstance(launch.options, SlurmOptions) else SlurmOptions()
+    name = attempt_name(launch.run_id, launch.step, launch.attempt)
     argv = [
-        "sbatch", "--parsable", f"--job-name={job_name(launch)}", f"--chdir={launch.cwd}",
+        "sbatch", "--parsable", f"--job-name={name}", f"--chdir={launch.cwd}",
         f"--output={launch.stdout_path}", f"--error={launch.stderr_path}", "--open-mode=append",
-        f"--mem={math.ceil(launch.limit_bytes / 2**20)}M", "--no-requeue",
+        f"--mem={math.ceil(launch.limit_bytes / MIB)}M", "--no-requeue",
         f"--export={','.join(exported_names(launch, options)) or 'NONE'}",
     ]  # fmt: skip
     if launch.timeout is not None:
@@ -729,7 +727,7 @@ class SlurmExecutor:
         the pipeline's, else Slurm's default). Slurm admits jobs by their --mem."""
         own = options.partition if isinstance(options, SlurmOptions) else None
         partition = own or self.options.partition or self._default_partition()
-        largest = max(memory for _, _, memory in self._nodes({partition})) * 1024 * 1024
+        largest = max(memory for _, _, memory in self._nodes({partition})) * MIB
         where = f"partition {partition}"
         return Budget(
             available=largest, mem_total=largest, mem_available=largest, cgroup_version=None,
@@ -763,7 +761,7 @@ class SlurmExecutor:
         script.write_text(batch_script(launch), encoding="utf-8")
         # The job gets the runner's environment (its own SLURM_* variables would mislead the job).
         env = {k: v for k, v in launch.env.items() if not k.startswith("SLURM_")}
-        name = job_name(launch)
+        name = attempt_name(launch.run_id, launch.step, launch.attempt)
         submitted_at = time.time()
         if name in self._unanswered:  # asked before without an answer: it may be there already
             found = self._job_named(name)

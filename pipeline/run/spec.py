@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.memory import parse_duration, parse_size
+from pipeline.memory import MIB, parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
 from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
@@ -102,7 +102,7 @@ class _Step(BaseModel):
     @field_validator("memory")
     @classmethod
     def _positive(cls, value: int) -> int:
-        if value < 4 * 1024 * 1024:
+        if value < 4 * MIB:
             raise ValueError("memory limit must be at least 4MiB")
         return value
 

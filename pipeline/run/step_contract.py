@@ -26,6 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pipeline.memory.units import MIB
+
 MANIFEST_NAME = "manifest.json"
 RUN_DIR_ENV = "EYRIE_RUN_DIR"
 STEP_DIR_ENV = "EYRIE_STEP_DIR"
@@ -33,7 +35,7 @@ STEP_NAME_ENV = "EYRIE_STEP_NAME"
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 FINGERPRINT_ENV = "EYRIE_STEP_FINGERPRINT"
 CACHE_DIR_ENV = "EYRIE_CACHE_DIR"
-_HASH_CHUNK = 1 << 20
+_HASH_CHUNK = MIB
 
 
 class FileEntry(BaseModel):
@@ -225,6 +227,10 @@ def declare_outputs(outputs: list[str | os.PathLike[str]]) -> Manifest:
     return write_manifest(step_dir, names)
 
 
+EXIT_BAD_INPUT = 2
+"""The exit status of every eyrie command refused for its input (an ``error:`` line says why)."""
+
+
 def error_lines(message: str) -> str:
     """``message`` as every eyrie command says an error: each of its lines after ``error:``."""
     return "\n".join(f"error: {line}" for line in message.splitlines() or [""])
@@ -244,7 +250,7 @@ def manifest_command(outputs: list[Path]) -> int:
         manifest = declare_outputs(outputs)
     except (ValueError, FileNotFoundError) as exc:
         Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+        return EXIT_BAD_INPUT
     files = [entry for entries in manifest.outputs.values() for entry in entries.values()]
     print(
         f"manifest: {len(manifest.outputs)} output(s), {len(files)} file(s), "

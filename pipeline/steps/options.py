@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from pipeline.memory.units import parse_duration
-from pipeline.run.step_contract import say_error
+from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
 
 # A permission, not a setting of what is computed: a pipeline grants it through the environment.
 TrustRemoteCode = Annotated[
@@ -61,7 +61,7 @@ def _release_target(value: str) -> str:
             server_url("--release-target", value)
         except ValueError as exc:
             say_error(str(exc))
-            raise typer.Exit(2) from None
+            raise typer.Exit(EXIT_BAD_INPUT) from None
     return value
 
 

@@ -37,7 +37,13 @@ from typing import Literal
 
 from rich.console import Console
 
-from pipeline.run.step_contract import atomic_write_text, say_error, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import (
+    EXIT_BAD_INPUT,
+    atomic_write_text,
+    say_error,
+    step_dir_from_env,
+    write_manifest,
+)
 from pipeline.steps.generate.config import Retry
 from pipeline.steps.generate.serve import ServeError
 from pipeline.steps.sglang import (
@@ -54,7 +60,6 @@ from pipeline.steps.target import TargetError, check_target, language_config, ta
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 Engine = Literal["sglang", "chain"]
 ENGINES = ("sglang", "chain")
 

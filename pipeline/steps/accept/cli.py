@@ -54,8 +54,8 @@ def accept(
     ] = None,
 ) -> None:
     """Accept length and output tokens/s of the draft, against the same decoder without it."""
-    from pipeline.run.step_contract import say_error
-    from pipeline.steps.accept.accept import EXIT_BAD_INPUT, Settings
+    from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
+    from pipeline.steps.accept.accept import Settings
     from pipeline.steps.accept.accept import accept as run_accept
     from pipeline.steps.sglang import Parsers, Speculation, release_url
 

@@ -109,7 +109,7 @@ def generate(
     """Prompts -> conversations.jsonl through the target model: resumable, retried, never the bottleneck."""
     from rich.console import Console
 
-    from pipeline.steps.generate.driver import EXIT_BAD_INPUT
+    from pipeline.run.step_contract import EXIT_BAD_INPUT
     from pipeline.steps.generate.driver import generate as run_generation
     from pipeline.steps.generate.serve import ServeError, transformers_serve
 

@@ -45,7 +45,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.step_contract import MANIFEST_NAME, atomic_path, error_lines, fsync_dir, write_manifest
+from pipeline.run.step_contract import (
+    EXIT_BAD_INPUT,
+    MANIFEST_NAME,
+    atomic_path,
+    error_lines,
+    fsync_dir,
+    write_manifest,
+)
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,
@@ -68,7 +75,6 @@ RESTARTED = "restarted"
 # nothing about the server, so it does not count in the error rate.
 BAD_PROMPT = "bad_prompt"
 EXIT_ROWS_MISSING = 1
-EXIT_BAD_INPUT = 2
 EXIT_SERVERS_DEAD = 3
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.memory.units import MIB
 from pipeline.run.step_contract import fsync_dir
 from pipeline.steps.generate.json_text import loads
 
-_CHUNK = 1 << 20
+_CHUNK = MIB
 
 
 class StoreError(RuntimeError):

@@ -32,7 +32,13 @@ from rich.table import Table
 
 from pipeline.memory.budget import plan_workers
 from pipeline.memory.units import format_size, parse_size
-from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import (
+    EXIT_BAD_INPUT,
+    atomic_path,
+    invalidate_manifest,
+    step_dir_from_env,
+    write_manifest,
+)
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
 from pipeline.steps.prep.sources import (
     SourceResult,
@@ -298,7 +304,7 @@ def prep(
             raise ValueError(f"--worker-memory: {exc}") from None
     except (CatalogError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        return 2
+        return EXIT_BAD_INPUT
     hub_sources = [name for name, where in locations.items() if not Path(where).is_absolute()]
     unreachable = None if offline else unreachable_hub(hub_sources)
     if unreachable:

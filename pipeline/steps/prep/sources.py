@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.memory.units import KIB
 from pipeline.run.step_contract import atomic_path
 from pipeline.steps.prep.adapters import (
     ADAPTERS,
@@ -239,7 +240,7 @@ def prepare_source(
     result.rejected = dict(rejected)
     result.unknown_roles = dict(unknown_roles)
     result.seconds = time.monotonic() - started
-    result.worker_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result.worker_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
     return result
 
 

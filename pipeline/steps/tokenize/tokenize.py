@@ -48,7 +48,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.memory import parse_size, plan_workers
-from pipeline.run.step_contract import atomic_path, invalidate_manifest, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import (
+    EXIT_BAD_INPUT,
+    atomic_path,
+    invalidate_manifest,
+    step_dir_from_env,
+    write_manifest,
+)
 from pipeline.steps.prep.adapters import kimi_tool_call_ids
 from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 from pipeline.steps.target import TargetError, load_tokenizer
@@ -745,7 +751,7 @@ def tokenize(
         )
     except TokenizeError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        return 2
+        return EXIT_BAD_INPUT
     worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()

@@ -27,7 +27,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from pipeline.run.step_contract import atomic_write_text, step_dir_from_env, write_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, language_config, target_config
@@ -38,7 +38,6 @@ DRAFT = "draft"
 EVAL = "eval.json"
 RESOLVED = "train_config.json"
 EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 
 class SettingsError(Exception):

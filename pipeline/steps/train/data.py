@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.memory.units import MIB
 from pipeline.run.step_contract import atomic_path
 
 ROWS_SCHEMA = pa.schema(
@@ -81,7 +82,7 @@ def _usable_rows(file: Path, max_length: int):
     """The rows of one shard as record batches of ROWS_SCHEMA, truncated, unusable rows left out."""
     import pyarrow.parquet as pq
 
-    shard = pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20)
+    shard = pq.ParquetFile(file, pre_buffer=False, buffer_size=MIB)
     names = shard.schema_arrow.names
     missing = {"input_ids", "loss_mask"} - set(names)
     if missing:

@@ -33,14 +33,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.memory.units import format_size
+from pipeline.memory.units import MIB, format_size
 from pipeline.run.step_contract import atomic_path, atomic_write_text, final_name_of
 from pipeline.steps.train.data import Example, collate
 
 INDEX = "index.json"
 _SHARD_NAME = "shard-{:05d}.safetensors"
 _SHARD = re.compile(r"^shard-\d{5}\.safetensors$")
-SHARD_BYTES = 256 * 1024**2
+SHARD_BYTES = 256 * MIB
 """Features per shard file: large enough to read sequentially, small enough that a kill loses little."""
 
 

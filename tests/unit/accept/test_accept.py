@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from eyrie_testing import eyrie
 from pipeline.cli import app
-from pipeline.run.step_contract import read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
 from pipeline.steps.accept import accept as accept_module
 from pipeline.steps.accept.accept import Settings, _server_run
 from pipeline.steps.generate.client import Retry
@@ -189,7 +189,7 @@ def test_the_draft_is_checked_strictly_before_anything_is_measured(run_inputs, s
     save_file(weights, broken / "model.safetensors")
     for engine in ("sglang", "chain"):
         settings = _sglang_settings(run_inputs, draft=broken, engine=engine)
-        assert accept_module.accept(settings, tmp_path / engine) == accept_module.EXIT_BAD_INPUT
+        assert accept_module.accept(settings, tmp_path / engine) == EXIT_BAD_INPUT
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and "missing fc.weight; unexpected fc.bias" in lines[0], lines
     assert served == []

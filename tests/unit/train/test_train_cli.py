@@ -11,7 +11,7 @@ import torch.distributed.launcher.api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from transformers import LlamaConfig
 
-from pipeline.run.step_contract import read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
 from pipeline.steps.train import cli
 from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
 from pipeline.steps.train.train import TrainConfig
@@ -82,13 +82,13 @@ def test_torchrun_worker_says_bad_input_once_per_node_and_exits_2(
     tmp_path, inputs, monkeypatch, capsys, local_rank
 ):
     monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert worker_main(tmp_path / "nope.json") == cli.EXIT_BAD_INPUT
+    assert worker_main(tmp_path / "nope.json") == EXIT_BAD_INPUT
     # The data is fine and the target has a config but no weights: found only when a worker loads it.
     rows = {"input_ids": [list(range(2, 34))] * 4, "loss_mask": [[0] * 8 + [1] * 24] * 4}
     pq.write_table(pa.table(rows), inputs["data"] / "shard-00000.parquet")
     resolved = tmp_path / "train_config.json"
     resolved.write_text(TrainConfig(**inputs, out_dir=tmp_path).model_dump_json())
-    assert worker_main(resolved) == cli.EXIT_BAD_INPUT
+    assert worker_main(resolved) == EXIT_BAD_INPUT
     lines = capsys.readouterr().err.splitlines()
     if local_rank == "0":
         assert lines[0] == f"error: {tmp_path / 'nope.json'}: cannot read it: No such file or directory"

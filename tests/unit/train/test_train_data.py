@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.run.step_contract import EXIT_BAD_INPUT
 from pipeline.steps.train import data
-from pipeline.steps.train.cli import EXIT_BAD_INPUT, train_command
+from pipeline.steps.train.cli import train_command
 from pipeline.steps.train.data import (
     ROWS_SCHEMA,
     Example,
