@@ -24,8 +24,8 @@ import torch
 from transformers import AutoConfig, PreTrainedConfig
 
 from pipeline.memory.units import format_size
+from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.features import LOGITS_CHUNK
-from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.offline import bytes_per_token
 from pipeline.steps.train.placement import Device, PlacementError, draft_bytes, plan, target_units
 

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
 from benchmarks.train_gpu import draft_flops_per_token
-from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_config
+from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.train import TrainConfig, train
 
 TARGETS = {

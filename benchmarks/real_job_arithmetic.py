@@ -19,8 +19,8 @@ import torch
 from transformers import Qwen3Config
 
 from pipeline.memory.units import format_size
+from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.features import LOGITS_CHUNK
-from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.placement import Device, draft_bytes, plan, target_units
 
 QWEN3_8B = Qwen3Config(

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
-from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
+from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
 

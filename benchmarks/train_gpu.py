@@ -17,8 +17,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
 from pipeline.steps.train.train import DraftLoss
 
 

@@ -67,7 +67,7 @@ def load_as_python_lists(path: Path, max_length: int):
     """The loader before the rows were memory-mapped: every row's tokens as Python lists."""
     import pyarrow.parquet as pq
 
-    from pipeline.steps.train.data import Example
+    from pipeline.steps.shards import Example
 
     rows = []
     for file in sorted(path.rglob("*.parquet")):
@@ -104,7 +104,7 @@ def _mapping(path: Path) -> dict[str, int]:
 
 
 def _load(way: str, shards: Path, mapped: Path):
-    from pipeline.steps.train.data import load_shards
+    from pipeline.steps.shards import load_shards
 
     if way == "lists":
         return load_as_python_lists(shards, MAX_LENGTH)
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
 
-    from pipeline.steps.train.data import load_shards
+    from pipeline.steps.shards import load_shards
 
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_shard(Path(tmp), args.tokens)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.memory.units import format_size
+from pipeline.steps.wrapper import language_config
 
 COMPRESSED_TENSORS = "compressed-tensors"
 PACKED_EXPERTS = "eyrie_packed"
@@ -59,8 +60,6 @@ class Holding:
 
 def quantization_of(config: Any) -> dict:
     """The target's quantization config as a dict (the language model's, or the wrapper's)."""
-    from pipeline.steps.target import language_config
-
     for candidate in (config, language_config(config)):
         quantization = getattr(candidate, "quantization_config", None)
         if quantization:

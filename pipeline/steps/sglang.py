@@ -36,8 +36,8 @@ from pathlib import Path
 
 from pipeline.run.layout import STATE_DIR
 from pipeline.run.step_contract import RUN_DIR_ENV, STEP_NAME_ENV, atomic_write_text
-from pipeline.steps.generate.config import TRANSIENT_STATUS, Retry
-from pipeline.steps.generate.serve import free_port, running_server
+from pipeline.steps.retry import TRANSIENT_STATUS, Retry
+from pipeline.steps.serve import free_port, running_server
 
 
 class SGLangError(RuntimeError):

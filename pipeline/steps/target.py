@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.steps.wrapper import language_config
+
 REMOTE_CODE_FLAG = "--trust-remote-code"
 # A hub id: NAME or OWNER/NAME (letters, digits, - _ .), as the hub accepts them.
 _HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -106,13 +108,6 @@ def target_config(target: str | Path, *, trust_remote_code: bool, option: str = 
             return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
         raise TargetError(_reason(exc, target, option)) from None
-
-
-def language_config(config: Any) -> Any:
-    """The language model's config: a vision-language wrapper's ``text_config`` (Kimi-K2.5 ships
-    as ``KimiK25ForConditionalGeneration``), or the config itself."""
-    getter = getattr(config, "get_text_config", None)
-    return getter(decoder=True) if getter is not None else config
 
 
 @dataclass

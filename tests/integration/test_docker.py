@@ -25,8 +25,8 @@ from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie, eyrie_in_small_
 from pipeline.memory import read_meminfo
 from pipeline.run.ledger import Ledger
 from pipeline.run.step_contract import read_manifest
-from pipeline.steps.train.export import load_draft
-from pipeline.steps.train.model import aux_layer_ids
+from pipeline.steps.eagle3.export import load_draft
+from pipeline.steps.eagle3.model import aux_layer_ids
 
 # The first test builds the images (cold: several minutes on 2 cores); later ones reuse them.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]

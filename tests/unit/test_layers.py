@@ -67,3 +67,26 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     with pytest.raises(AssertionError, match="pipeline/memory/bad.py imports pipeline.run.ledger"):
         test_a_layer_imports_only_the_layers_below_it("memory")
+
+
+def step_packages() -> list[str]:
+    """The steps: the folders of steps/ with a command of their own (what they share sits beside them)."""
+    return sorted(p.parent.name for p in (PACKAGE / "steps").glob("*/cli.py"))
+
+
+def test_a_step_shares_through_steps_not_through_another_step():
+    """A step's modules import no other step's, and what the steps share imports none."""
+    steps = step_packages()
+    assert {"prep", "generate", "tokenize", "train", "accept"} <= set(steps)
+
+    def step_of(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if parts[1:2] == ["steps"] and parts[2:3] and parts[2] in steps else None
+
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in layer_files("steps")
+        for name in sorted(imports(path))
+        if step_of(name) and step_of(name) != step_of(".".join(path.relative_to(PACKAGE.parent).parts))
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -8,7 +8,7 @@ speed-up is a ratio measured side by side.
   (``--speculative-algorithm EAGLE3``), then the same server without it; held-out prompts
   go to its native ``/generate`` as token ids, greedy, ``concurrency`` in flight. The
   accept length is SGLang's own count: completion tokens / verify forwards.
-- ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.train.evaluate``), K draft
+- ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.eagle3.decoding``), K draft
   tokens per target forward, against the same loop proposing none. Its outputs must equal
   each other token for token (greedy verification is lossless): a difference fails the step.
 
@@ -44,8 +44,8 @@ from pipeline.run.step_contract import (
     step_dir_from_env,
     write_manifest,
 )
-from pipeline.steps.generate.config import Retry
-from pipeline.steps.generate.serve import ServeError
+from pipeline.steps.retry import Retry
+from pipeline.steps.serve import ServeError
 from pipeline.steps.sglang import (
     Parsers,
     SGLangRefused,
@@ -56,7 +56,8 @@ from pipeline.steps.sglang import (
     gpus_released,
     sglang_server,
 )
-from pipeline.steps.target import TargetError, check_target, language_config, target_config
+from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.wrapper import language_config
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
@@ -120,7 +121,7 @@ def check(settings: Settings) -> None:
         target = language_config(target_config(settings.target, trust_remote_code=settings.trust_remote_code))
     except TargetError as exc:
         raise AcceptError(str(exc)) from None
-    from pipeline.steps.train.export import check_draft  # torch: imported when a draft is checked
+    from pipeline.steps.eagle3.export import check_draft  # torch: imported when a draft is checked
 
     try:
         check_draft(settings.draft, target)
@@ -130,8 +131,8 @@ def check(settings: Settings) -> None:
 
 def heldout_prompts(settings: Settings) -> list[list[int]]:
     """The prompts (tokens before the first assistant token) of the rows training held out."""
-    from pipeline.steps.train.data import load_shards, split_heldout
-    from pipeline.steps.train.evaluate import prompt_of
+    from pipeline.steps.eagle3.decoding import prompt_of
+    from pipeline.steps.shards import load_shards, split_heldout
 
     # The rows are mapped from a file of their own, as training maps them, beside the step's outputs
     # (not /tmp, which may be small); the prompts are copied out of it, so it goes once they are read.
@@ -188,9 +189,9 @@ def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> 
 def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, dict]:
     import torch
 
+    from pipeline.steps.eagle3.decoding import eos_ids_of, speculative_generate
+    from pipeline.steps.eagle3.export import load_draft
     from pipeline.steps.target import load_model
-    from pipeline.steps.train.evaluate import eos_ids_of, speculative_generate
-    from pipeline.steps.train.export import load_draft
 
     target = load_model(settings.target, dtype=torch.float32, trust_remote_code=settings.trust_remote_code)
     target.eval()

@@ -1,5 +1,5 @@
 """``eyrie accept``: its options, over ``accept.accept``. The held-out rows are the ones training
-held out, so their defaults are training's (``TrainConfig``)."""
+held out, so their defaults are training's (``steps/records.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import typer
 
 from pipeline.steps.accept.accept import ENGINES
 from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, duration_option
-from pipeline.steps.train.config import TrainConfig
-
-TRAINED = TrainConfig.model_fields
+from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 
 
 def accept(
@@ -27,10 +25,10 @@ def accept(
     num_draft_tokens: Annotated[int, typer.Option(help="Tokens verified per target forward.")] = 4,
     heldout_fraction: Annotated[
         float, typer.Option(help="The fraction training held out.")
-    ] = TRAINED["heldout_fraction"].default,
+    ] = HELDOUT_FRACTION,
     max_length: Annotated[
         int, typer.Option(help="Row length training used.")
-    ] = TRAINED["max_length"].default,
+    ] = MAX_LENGTH,
     prompts: Annotated[int, typer.Option(min=1, help="Held-out prompts measured.")] = 64,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens decoded per prompt.")] = 256,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight (sglang).")] = 16,

@@ -13,9 +13,10 @@ import typer
 
 from pipeline.memory.units import duration_text
 from pipeline.run.step_contract import error_lines, step_dir_from_env
-from pipeline.steps.generate.config import GenerateConfig, Retry, Sampling
+from pipeline.steps.generate.config import GenerateConfig, Sampling
 from pipeline.steps.generate.conversation import MODES
 from pipeline.steps.options import OutDir, duration_option, server_url
+from pipeline.steps.retry import Retry
 
 TARGET_URL_ENV = "EYRIE_TARGET_URL"
 
@@ -111,7 +112,7 @@ def generate(
 
     from pipeline.run.step_contract import EXIT_BAD_INPUT
     from pipeline.steps.generate.driver import generate as run_generation
-    from pipeline.steps.generate.serve import ServeError, transformers_serve
+    from pipeline.steps.serve import ServeError, transformers_serve
 
     console = Console(stderr=True, soft_wrap=True)
     urls = url or []

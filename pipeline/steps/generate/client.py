@@ -35,8 +35,8 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.steps.generate.config import TRANSIENT_STATUS, Retry
 from pipeline.steps.generate.json_text import loads
+from pipeline.steps.retry import TRANSIENT_STATUS, Retry
 
 CHAT_PATH = "/v1/chat/completions"
 # A probe of /health (SGLang, transformers serve) that takes longer than this counts as no answer.

@@ -3,12 +3,12 @@ what the driver runs with (``cli.py`` reads each default here)."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.steps.generate.conversation import Mode
+from pipeline.steps.retry import Retry
 
 
 @dataclass
@@ -24,22 +24,6 @@ class Sampling:
     def repeatable(self) -> bool:
         """Asked again, a server gives the same answer: greedy, or a seed per row."""
         return self.temperature == 0 or self.seed is not None
-
-
-# HTTP statuses a later attempt of the same request may not get.
-TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-@dataclass
-class Retry:
-    max_retries: int = 6
-    base_s: float = 0.5
-    cap_s: float = 20.0
-
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        # Full jitter (AWS architecture blog): spreads retries of many workers apart.
-        backoff = random.uniform(0, min(self.cap_s, self.base_s * 2**attempt))
-        return max(backoff, retry_after or 0.0)
 
 
 @dataclass

@@ -7,7 +7,7 @@ one response field) and ``tokenized`` (``input_ids`` + ``loss_mask``).
 Every message comes out as ``{role, content, reasoning_content?, tool_calls?,
 tool_call_id?}`` with roles system/user/assistant/tool; reasoning blocks
 (``<think>``, ``<|begin_of_thought|>``) are split out into ``reasoning_content``.
-Tool calls carry Kimi's ids, ``functions.NAME:IDX``, which name the function.
+Tool calls carry Kimi's ids (``chat_format.kimi_tool_call_ids``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.steps.chat_format import Message, kimi_tool_call_ids
 from pipeline.steps.prep.catalog import Source
-
-Message = dict[str, Any]
 
 
 class Reject(Exception):
@@ -56,7 +55,6 @@ _REASONING_STYLES = [
     ("<think>", "</think>", None),
     ("<|begin_of_thought|>", "<|end_of_thought|>", ("<|begin_of_solution|>", "<|end_of_solution|>")),
 ]
-_KIMI_CALL_ID_RE = re.compile(r"functions\.(.+):\d+")
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _TOOL_RESPONSE_RE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
 
@@ -147,54 +145,6 @@ def _hermes_tool_calls(text: str, counter: list[int]) -> tuple[str, list[dict]]:
         )
         counter[0] += 1
     return _TOOL_CALL_RE.sub("", text).strip(), calls
-
-
-def kimi_tool_call_ids(messages: list[Message]) -> list[Message]:
-    """The messages with Kimi's tool-call ids, ``functions.NAME:IDX`` (IDX counts the calls of the
-    whole conversation from 0), and each tool result's ``tool_call_id`` remapped to match.
-
-    Kimi's template writes a call's id where other templates write the function's name, so an
-    OpenAI-style ``call_1`` would leave the name out of the tokens. Ids already all in Kimi's form
-    (what the target itself generated) are kept as they are. A tool result whose id is missing or
-    unknown answers the next unanswered call of the assistant turn before it.
-    """
-    calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
-    renumber = not all(_is_kimi_call_id(call) for call in calls)
-    out: list[Message] = []
-    renamed: dict[Any, str] = {}
-    unanswered: list[str] = []
-    index = 0
-    for message in messages:
-        if message.get("role") == "assistant" and message.get("tool_calls"):
-            renamed, unanswered, turn_calls = {}, [], []
-            for call in message["tool_calls"]:
-                new_id = f"functions.{_call_name(call)}:{index}" if renumber else call["id"]
-                renamed.setdefault(call.get("id"), new_id)
-                unanswered.append(new_id)
-                turn_calls.append({**call, "id": new_id})
-                index += 1
-            message = {**message, "tool_calls": turn_calls}
-        elif message.get("role") == "tool":
-            call_id = message.get("tool_call_id")
-            new_id = renamed.get(call_id)
-            if new_id not in unanswered:
-                new_id = unanswered[0] if unanswered else new_id or call_id
-            if new_id in unanswered:
-                unanswered.remove(new_id)
-            if new_id is not None:
-                message = {**message, "tool_call_id": new_id}
-        out.append(message)
-    return out
-
-
-def _call_name(call: dict) -> Any:
-    """A call's function name; templates accept both OpenAI's ``{function: {name}}`` and ``{name}``."""
-    return (call.get("function") or call)["name"]
-
-
-def _is_kimi_call_id(call: dict) -> bool:
-    match = _KIMI_CALL_ID_RE.fullmatch(str(call.get("id") or ""))
-    return match is not None and match.group(1) == _call_name(call)
 
 
 def _assistant(text: str, reasoning: Any = None, tool_calls: list[dict] | None = None) -> Message:

@@ -55,7 +55,7 @@ from pipeline.run.step_contract import (
     step_dir_from_env,
     write_manifest,
 )
-from pipeline.steps.prep.adapters import kimi_tool_call_ids
+from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 from pipeline.steps.target import TargetError, load_tokenizer
 from pipeline.steps.tokenize.fast import fast_from_tiktoken

@@ -30,9 +30,10 @@ from pydantic import ValidationError
 from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, step_dir_from_env, write_manifest
 from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
-from pipeline.steps.target import TargetError, check_target, language_config, target_config
+from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.placement import PlacementError
+from pipeline.steps.wrapper import language_config
 
 DRAFT = "draft"
 EVAL = "eval.json"
@@ -114,8 +115,8 @@ def read_resolved(path: Path) -> TrainConfig:
 def worker(cfg: TrainConfig) -> int:
     import torch
 
-    from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
-    from pipeline.steps.train.export import export_draft
+    from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
+    from pipeline.steps.eagle3.export import export_draft
     from pipeline.steps.train.train import simulated_acceptance, target_for_evaluation, train
 
     result = train(cfg)
@@ -181,7 +182,7 @@ def worker_main(resolved: Path) -> int:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    from pipeline.steps.train.model import check_draftable
+    from pipeline.steps.eagle3.model import check_draftable
 
     if not cfg.data.exists():
         raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")

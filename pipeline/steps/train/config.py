@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 from pipeline.steps.train.placement import Placement
 from pipeline.steps.train.precision import Precision
 
@@ -48,7 +49,7 @@ class TrainConfig(BaseModel):
     """Optimizer steps (overrides epochs; 0: by epochs)."""
     batch_size: int = Field(1, ge=1)
     """Rows per process per step."""
-    max_length: int = Field(2048, ge=3)  # rows shorter than 3 tokens have nothing to train on
+    max_length: int = Field(MAX_LENGTH, ge=3)  # rows shorter than 3 tokens have nothing to train on
     """Rows are cut to this many tokens."""
     seed: int = 0
     """Seed of the data order and the draft's initial weights."""
@@ -56,7 +57,7 @@ class TrainConfig(BaseModel):
     """Steps between checkpoints."""
     log_every: int = Field(10, ge=1)
     """Steps between progress lines."""
-    heldout_fraction: float = Field(0.05, ge=0, lt=1)
+    heldout_fraction: float = Field(HELDOUT_FRACTION, ge=0, lt=1)
     """Share of the rows held out for evaluation (and for eyrie accept)."""
     loss_chunk: int = Field(512, ge=1)
     """Positions whose draft-vocabulary logits are computed at once (recomputed in backward)."""

@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 
 from pipeline.memory.units import MIB, format_size
 from pipeline.run.step_contract import atomic_path, atomic_write_text, final_name_of
-from pipeline.steps.train.data import Example, collate
+from pipeline.steps.shards import Example
+from pipeline.steps.train.data import collate
 
 INDEX = "index.json"
 _SHARD_NAME = "shard-{:05d}.safetensors"

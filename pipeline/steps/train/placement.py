@@ -209,7 +209,8 @@ def target_units(
     from transformers.integrations.accelerate import compute_module_sizes
 
     from pipeline.steps.quantized import largest_transient, packed_bytes
-    from pipeline.steps.target import language_config, language_model
+    from pipeline.steps.target import language_model
+    from pipeline.steps.wrapper import language_config
 
     lm = language_model(
         config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize

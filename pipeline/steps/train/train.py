@@ -24,18 +24,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.run.step_contract import atomic_write_text
-from pipeline.steps.target import language_config, load_head, load_model, target_config, weights_key
+from pipeline.steps.eagle3.model import (
+    Eagle3Draft,
+    default_layer_ids,
+    draft_config,
+    shift_left,
+    soft_cross_entropy,
+    vocab_map,
+)
+from pipeline.steps.shards import Rows, load_shards, split_heldout
+from pipeline.steps.target import load_head, load_model, target_config, weights_key
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.config import TrainConfig
-from pipeline.steps.train.data import (
-    Rows,
-    batch_at,
-    collate,
-    load_shards,
-    split_heldout,
-    steps_per_epoch,
-    token_counts,
-)
+from pipeline.steps.train.data import batch_at, collate, steps_per_epoch, token_counts
 from pipeline.steps.train.features import (
     LOGITS_CHUNK,
     FeatureSource,
@@ -44,14 +45,6 @@ from pipeline.steps.train.features import (
     TargetBatch,
     TeacherHead,
     check_layer_ids,
-)
-from pipeline.steps.train.model import (
-    Eagle3Draft,
-    default_layer_ids,
-    draft_config,
-    shift_left,
-    soft_cross_entropy,
-    vocab_map,
 )
 from pipeline.steps.train.offline import FeatureShards, is_complete, pending_pass, write_features
 from pipeline.steps.train.placement import (
@@ -63,6 +56,7 @@ from pipeline.steps.train.placement import (
 )
 from pipeline.steps.train.placement import plan as plan_placement
 from pipeline.steps.train.precision import autocast, dtype_of, resolve, training_device_type
+from pipeline.steps.wrapper import language_config
 
 
 class TrainingInputError(ValueError):

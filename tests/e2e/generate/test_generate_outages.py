@@ -9,7 +9,7 @@ import pytest
 from generate_helpers import FakeServer, fake_servers, read_jsonl, run_generate, simple_prompts
 
 from pipeline.run.step_contract import read_manifest
-from pipeline.steps.generate.serve import free_port
+from pipeline.steps.serve import free_port
 
 ALL_IDS = [f"p{i:05d}" for i in range(600)]
 

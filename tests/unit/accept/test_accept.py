@@ -26,10 +26,10 @@ from pipeline.cli import app
 from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
 from pipeline.steps.accept import accept as accept_module
 from pipeline.steps.accept.accept import Settings, _server_run
+from pipeline.steps.eagle3.export import export_draft
+from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.generate.client import Retry
 from pipeline.steps.sglang import Parsers, Speculation
-from pipeline.steps.train.export import export_draft
-from pipeline.steps.train.model import Eagle3Draft, draft_config, vocab_map
 
 EYRIE = [sys.executable, "-m", "pipeline.cli"]
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.prep.adapters import (
     Reject,
     adapt_messages,
     adapt_pairs,
     adapt_sharegpt,
     adapt_tokenized,
-    kimi_tool_call_ids,
     split_reasoning,
 )
 from pipeline.steps.prep.catalog import Source

@@ -17,7 +17,7 @@ import pytest
 
 from eyrie_testing import eyrie
 from pipeline.run.step_contract import read_manifest
-from pipeline.steps.prep.adapters import kimi_tool_call_ids
+from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.tokenize import fast
 from pipeline.steps.tokenize.tokenize import (
     ChatTemplate,

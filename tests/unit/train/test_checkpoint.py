@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from pipeline.steps.eagle3.model import Eagle3Draft, draft_config
 from pipeline.steps.train import checkpoint as ckpt
-from pipeline.steps.train.model import Eagle3Draft, draft_config
 
 
 def _draft() -> Eagle3Draft:

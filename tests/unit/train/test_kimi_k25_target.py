@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.steps.eagle3.export import load_draft
 from pipeline.steps.quantized import PACKED_EXPERTS, PackedLinear
 from pipeline.steps.target import load_model, target_config
 from pipeline.steps.train.cli import check_inputs, worker
-from pipeline.steps.train.export import load_draft
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.placement import target_units
 from pipeline.steps.train.train import TrainConfig

@@ -17,9 +17,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.steps.shards import Example
 from pipeline.steps.train import offline
 from pipeline.steps.train import train as train_module
-from pipeline.steps.train.data import Example
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.offline import (
     FeaturesError,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
+from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.features import TargetBatch
-from pipeline.steps.train.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.placement import (
     HEADROOM,
     Device,

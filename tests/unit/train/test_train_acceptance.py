@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.train.evaluate import eos_ids_of, real_acceptance
+from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
 

@@ -17,18 +17,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.run.step_contract import EXIT_BAD_INPUT
-from pipeline.steps.train import data
+from pipeline.steps import shards as shards_module
+from pipeline.steps.shards import ROWS_SCHEMA, Example, load_shards, split_heldout
 from pipeline.steps.train.cli import train_command
-from pipeline.steps.train.data import (
-    ROWS_SCHEMA,
-    Example,
-    batch_at,
-    collate,
-    load_shards,
-    split_heldout,
-    steps_per_epoch,
-    token_counts,
-)
+from pipeline.steps.train.data import batch_at, collate, steps_per_epoch, token_counts
 from pipeline.steps.train.train import TrainConfig, rows_file
 
 
@@ -187,7 +179,7 @@ def test_the_rows_file_is_written_once_and_keyed_by_the_shards_and_the_length(tm
     def never(*args):
         raise AssertionError("the shards were converted again")
 
-    monkeypatch.setattr(data, "_usable_rows", never)
+    monkeypatch.setattr(shards_module, "_usable_rows", never)
     again = load_shards(shards, MAX_LENGTH, mapped)
     assert [r.input_ids.tolist() for r in again] == [r.input_ids.tolist() for r in first]
 
@@ -230,7 +222,7 @@ _HOLD = """
 import json, sys
 from pathlib import Path
 import pipeline.steps.train.train
-from pipeline.steps.train.data import load_shards
+from pipeline.steps.shards import load_shards
 
 def anonymous():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("RssAnon:"))
@@ -273,7 +265,7 @@ def test_a_process_holding_a_million_tokens_holds_them_in_the_map_not_in_its_own
 _RANK = """
 import os, sys, time
 from pathlib import Path
-from pipeline.steps.train.data import load_shards
+from pipeline.steps.shards import load_shards
 
 shards, mapped, go = map(Path, sys.argv[1:4])
 print("ready", flush=True)

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.train import evaluate
-from pipeline.steps.train.data import Example
-from pipeline.steps.train.evaluate import eos_ids_of, propose, real_acceptance, speculative_generate
-from pipeline.steps.train.export import export_draft, load_draft
+from pipeline.steps.eagle3 import decoding
+from pipeline.steps.eagle3.decoding import eos_ids_of, propose, real_acceptance, speculative_generate
+from pipeline.steps.eagle3.export import export_draft, load_draft
+from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
+from pipeline.steps.shards import Example
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
 from pipeline.steps.train.train import simulated_acceptance
 
 
@@ -201,7 +201,7 @@ def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
             own[depth] = (own[depth] + 1) % target.config.vocab_size
         return own
 
-    monkeypatch.setattr(evaluate, "propose", own_tokens_one_corrupted)
+    monkeypatch.setattr(decoding, "propose", own_tokens_one_corrupted)
     generated, per_forward = speculative_generate(target, draft, prompt, k, new_tokens, eos_ids=set())
     assert generated == greedy_after(prompt, new_tokens)
     accepted = [n - 1 for n in per_forward[:-1]]  # the last forward may be cut at max_new_tokens

@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.steps.train.model import Eagle3Draft, StepCache, aux_layer_ids
+from pipeline.steps.eagle3.model import Eagle3Draft, StepCache, aux_layer_ids
 
 
 @torch.no_grad()

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from pipeline.steps.train.export import WEIGHTS, export_draft, load_draft
-from pipeline.steps.train.model import Eagle3Draft, draft_config
+from pipeline.steps.eagle3.export import WEIGHTS, export_draft, load_draft
+from pipeline.steps.eagle3.model import Eagle3Draft, draft_config
 
 LLAMA3 = {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

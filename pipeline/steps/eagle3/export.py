@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from pipeline.run.step_contract import atomic_path
-from pipeline.steps.train.model import Eagle3Draft, aux_layer_ids
+from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 WEIGHTS = "model.safetensors"
 # Left out of the folder: the input embedding (the server shares the target's) and RoPE's tables.
