@@ -244,9 +244,13 @@ def status(
 ) -> None:
     """Show the latest run: each step's attempts (verdict, exit, peak/limit, OOM kills, duration, reason),
     or why it did not run."""
+    if follow:
+        from pipeline.report.follow import follow_command
+
+        raise typer.Exit(follow_command(run_dir, RUNS, json_output, history))
     from pipeline.report.status import status_command
 
-    raise typer.Exit(status_command(run_dir, RUNS, json_output, follow, history))
+    raise typer.Exit(status_command(run_dir, RUNS, json_output, history=history))
 
 
 @app.command()
@@ -256,7 +260,7 @@ def explain(
     attempt: Annotated[int | None, typer.Option(help="Attempt number (default: last).")] = None,
 ) -> None:
     """Say in plain words why a step's attempt ended as it did, with the evidence."""
-    from pipeline.report.status import explain_command
+    from pipeline.report.explain import explain_command
 
     raise typer.Exit(explain_command(run_dir, RUNS, step, attempt))
 

@@ -13,7 +13,6 @@ whatever host it ran on and whatever its pid has become since.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline.memory import cgroup_at, format_duration, format_size
-from pipeline.report.status import VERDICT_STYLE, open_ledger, unreadable, wide_console
+from pipeline.report.console import VERDICT_STYLE, wide_console
+from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
@@ -80,10 +80,7 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
     now = time.time()
     run_id = run["run_id"]
     states = ledger.step_states(run_id)
-    latest: dict[str, Any] = {}
-    for row in ledger.attempts():
-        if row.run_id == run_id:
-            latest[row.step] = row  # attempts come oldest first: the last one stays
+    latest = {row.step: row for row in ledger.attempts_of(run_id)}  # oldest first: the last one stays
     names = json.loads(run["steps"]) or list(latest)  # a build lists its compile jobs as they come
     reservations = ledger.reservations()
     steps, reserved = [], 0
@@ -205,20 +202,29 @@ def render(run: RunView) -> Group:
     return Group(*parts)
 
 
-def follow_command(run_dir: Path, json_output: bool) -> int:
-    """Follow the latest run of ``run_dir`` until it ends; its exit code is the run's, as `eyrie run`'s."""
+def follow_command(run_dir: Path | None, runs: Path, json_output: bool, history: bool = False) -> int:
+    """Follow the latest run of ``run_dir`` (else of the newest run under ``runs``) until it ends; its
+    exit code is the run's, as `eyrie run`'s. ``history`` (status's --all) is refused: a live view
+    shows the latest run only."""
     console, err = wide_console(), Console(stderr=True)
-    ledger = open_ledger(run_dir, err)
-    if ledger is None:
+    if history:
+        err.print(
+            "[red]error:[/] status: --all and --follow do not go together (--all shows every run's "
+            "attempts, --follow the latest run live); pass one of them",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return EXIT_BAD_INPUT
+    run_dir = resolve_run_dir(run_dir, runs, err)
+    if run_dir is None:
         return EXIT_BAD_INPUT
     try:
-        return _follow(ledger, run_dir, console, json_output)
-    except sqlite3.Error as exc:
-        return unreadable(ledger.path, exc, err)
+        with opened_ledger(run_dir, err) as ledger:
+            if ledger is not None:
+                return _follow(ledger, run_dir, console, json_output)
     except KeyboardInterrupt:
         return 130
-    finally:
-        ledger.close()
+    return EXIT_BAD_INPUT
 
 
 def _follow(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) -> int:

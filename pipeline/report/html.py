@@ -9,7 +9,6 @@ the moment an OOM kill was counted — and its explanation.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -29,18 +28,11 @@ from pipeline.report.chart import (
     x_axis,
     y_axis,
 )
+from pipeline.report.explain import HEADLINE, explain, not_run_reason
+from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
 from pipeline.report.neighbours import neighbours
 from pipeline.report.run_chart import Legend, run_chart
-from pipeline.report.status import (
-    HEADLINE,
-    exit_text,
-    explain,
-    not_run_reason,
-    not_run_steps,
-    open_ledger,
-    resolve_run_dir,
-    unreadable,
-)
+from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
@@ -243,15 +235,12 @@ def report_command(run_dir: Path | None, runs: Path, out: Path | None) -> int:
     run_dir = resolve_run_dir(run_dir, runs, err)
     if run_dir is None:
         return EXIT_BAD_INPUT
-    ledger = open_ledger(run_dir, err)
-    if ledger is None:
+    page = None
+    with opened_ledger(run_dir, err) as ledger:
+        if ledger is not None:
+            page = render(ledger, run_dir)
+    if page is None:
         return EXIT_BAD_INPUT
-    try:
-        page = render(ledger, run_dir)
-    except sqlite3.Error as exc:
-        return unreadable(ledger.path, exc, err)
-    finally:
-        ledger.close()
     target = out or run_dir / "report.html"
     atomic_write_text(target, page)
     print(target)

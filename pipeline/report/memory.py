@@ -7,7 +7,7 @@ import json
 from rich.table import Table
 
 from pipeline.memory import format_size, memory_budget
-from pipeline.report.status import wide_console
+from pipeline.report.console import wide_console
 
 # The budget bounds steps that run here; a cluster's scheduler admits its jobs itself.
 CLUSTER_NOTE = (

@@ -115,7 +115,7 @@ def run_timeline(ledger: Ledger, run: dict[str, Any]) -> RunTimeline:
     """One run of the ledger on its clock."""
     run_id = run["run_id"]
     host = ledger.host_samples(run_id)
-    rows = [row for row in ledger.attempts() if row.run_id == run_id]
+    rows = ledger.attempts_of(run_id)
     reservations = ledger.reservations()
     end = run["ended_at"] or time.time()
     seen = ledger.last_seen(run_id)
@@ -152,7 +152,5 @@ def clock(ts: float | None) -> str:
 
 def timeline_of(ledger: Ledger, row: AttemptRow) -> RunTimeline | None:
     """The run an attempt belongs to, on its clock."""
-    for run in ledger.runs():
-        if run["run_id"] == row.run_id:
-            return run_timeline(ledger, run)
-    return None
+    run = ledger.run(row.run_id)
+    return None if run is None else run_timeline(ledger, run)

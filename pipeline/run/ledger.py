@@ -298,6 +298,10 @@ class Ledger:
     def runs(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self._db.execute("SELECT * FROM runs ORDER BY started_at").fetchall()]
 
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return dict(row) if row else None
+
     def latest_run(self) -> dict[str, Any] | None:
         row = self._db.execute("SELECT * FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()
         return dict(row) if row else None
@@ -363,6 +367,13 @@ class Ledger:
         if step is not None:
             sql, params = sql + " WHERE step = ?", (step,)
         rows = self._db.execute(sql + " ORDER BY started_at, id", params).fetchall()
+        return [AttemptRow(dict(r)) for r in rows]
+
+    def attempts_of(self, run_id: str) -> list[AttemptRow]:
+        """One run's attempts, oldest first (as ``attempts``)."""
+        rows = self._db.execute(
+            "SELECT * FROM attempts WHERE run_id = ? ORDER BY started_at, id", (run_id,)
+        ).fetchall()
         return [AttemptRow(dict(r)) for r in rows]
 
     def running_attempts(self) -> list[AttemptRow]:

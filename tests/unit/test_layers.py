@@ -90,3 +90,42 @@ def test_a_step_shares_through_steps_not_through_another_step():
         if step_of(name) and step_of(name) != step_of(".".join(path.relative_to(PACKAGE.parent).parts))
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def modules() -> dict[str, set[str]]:
+    """Each module of ours by its dotted name (a package by its own), with the modules of ours it imports."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = imports(path)
+    return found
+
+
+def circle_through(start: str, graph: dict[str, set[str]]) -> tuple[str, ...] | None:
+    """The shortest chain of imports that leads from ``start`` back to it, begun at its first module
+    in order (so that each circle reads one way); None when there is none."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        reached = []
+        for module in frontier:
+            for name in sorted(graph[module] & graph.keys()):
+                if name == start:  # back: start, …, module
+                    chain = [module]
+                    while chain[-1] != start:
+                        chain.append(came_from[chain[-1]])
+                    circle = chain[::-1]
+                    first = circle.index(min(circle))
+                    return tuple(circle[first:] + circle[:first])
+                if name not in came_from:
+                    came_from[name] = module
+                    reached.append(name)
+        frontier = reached
+    return None
+
+
+def test_no_import_circle_among_our_modules():
+    """No module leads back to itself through what it imports, at the top or inside a function."""
+    graph = modules()
+    circles = {circle for start in graph if (circle := circle_through(start, graph))}
+    assert not circles, "\n".join(" -> ".join((*c, c[0])) for c in sorted(circles))

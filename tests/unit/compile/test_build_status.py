@@ -36,7 +36,7 @@ def build_ledger(run_dir: Path) -> None:
 
 def test_status_lists_predicted_and_measured_peaks_side_by_side(tmp_path: Path, capsys) -> None:
     build_ledger(tmp_path)
-    assert status_command(tmp_path, tmp_path, json_output=False, follow=False) == 0
+    assert status_command(tmp_path, tmp_path, json_output=False) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "predicted peak" in line)
     columns = [header.index(name) for name in ("predicted peak", "measured peak", "measured / predicted")]
@@ -49,7 +49,7 @@ def test_status_lists_predicted_and_measured_peaks_side_by_side(tmp_path: Path, 
 
 def test_status_json_carries_each_jobs_reservations(tmp_path: Path, capsys) -> None:
     build_ledger(tmp_path)
-    assert status_command(tmp_path, tmp_path, json_output=True, follow=False) == 0
+    assert status_command(tmp_path, tmp_path, json_output=True) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
     held = rows["flash_bwd_hdim128_bf16_sm80.cu"]["reservations"]
     assert [r["reserved_bytes"] for r in held] == [7 * GiB, 2 * GiB]

@@ -75,3 +75,24 @@ def test_explain_on_a_read_only_folder_while_a_run_writes(tmp_path):
         assert "Succeeded: exit 0." in result.stdout
     finally:
         writer.close()
+
+
+def test_one_runs_attempts_are_read_alone_oldest_first(tmp_path):
+    ledger = make_ledger(tmp_path)  # r1: prep attempt 1
+    ledger.start_run("r2", "p.yaml", "local", ["prep", "train"], 2**30, "MemAvailable")
+    for step, attempt in [("train", 1), ("prep", 2), ("train", 2)]:
+        ledger.begin_attempt(
+            run_id="r2", step=step, attempt=attempt, executor="local", limit_bytes=2**26, limit_reason=None,
+            argv=["true"], host_mem_available=2**30, host_mem_total=2**31, image=None, commit_id=None,
+        )  # fmt: skip
+    ledger.close()
+    reader = Ledger(tmp_path, create=False)
+    try:
+        assert [(r.run_id, r.step, r.attempt) for r in reader.attempts_of("r2")] == [
+            ("r2", "train", 1), ("r2", "prep", 2), ("r2", "train", 2)
+        ]  # fmt: skip
+        assert [(r.step, r.attempt) for r in reader.attempts_of("r1")] == [("prep", 1)]
+        assert reader.attempts_of("r3") == []
+        assert reader.run("r2")["steps"] == '["prep", "train"]' and reader.run("r3") is None
+    finally:
+        reader.close()
