@@ -12,7 +12,8 @@ from rich.markup import escape
 
 from pipeline.memory import CgroupError, format_duration, format_size
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
-from pipeline.run.orchestrator import Orchestrator, RunDirBusy
+from pipeline.run.orchestrator import Orchestrator
+from pipeline.run.recovery import RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict

@@ -2,25 +2,21 @@
 
 Steps whose needs are met run side by side while the sum of their memory
 limits fits the budget. Each attempt's outcome becomes a verdict
-(``verdict.decide``) and a ledger row. A rerun in the same run directory skips
-steps whose manifest matches their inputs; a runner killed without warning
-leaves attempts marked ``running``: the next run watches again those its
-executor can hand back (a Slurm job outlives its runner) and closes the others
-as ``cancelled``.
+(``verdict.decide``) and a ledger row; a verdict its step's ``retry_on`` names
+runs it again (``retry_limit``). A rerun in the same run directory skips
+steps whose manifest matches their inputs (``fingerprint``); a runner killed
+without warning leaves attempts marked ``running``: the next run watches again
+those its executor can hand back (a Slurm job outlives its runner) and closes
+the others as ``cancelled`` (``recovery``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import math
 import os
 import queue
 import shutil
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -29,37 +25,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.memory import MIB, Budget, CgroupError, format_size
-from pipeline.run import EXECUTORS
+from pipeline.memory import Budget, CgroupError, format_size
 from pipeline.run.executor import (
-    AttemptStillRunning,
     Executor,
     ExecutorError,
     ExecutorUnavailable,
     Launch,
     Outcome,
     RunningAttempt,
-    executor_class,
 )
+from pipeline.run.fingerprint import check_up_to_date, step_fingerprint
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
-from pipeline.run.ledger import LEDGER_NAME, AttemptRow, Ledger, RunState, StepState
-from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
+from pipeline.run.ledger import LEDGER_NAME, Ledger, RunState, StepState
+from pipeline.run.recovery import close_orphans, lock_run_dir
+from pipeline.run.retry_limit import next_limit
+from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
 from pipeline.run.step_contract import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
-    PIPELINE_DIR_ENV,
-    RUN_DIR_ENV,
-    STEP_DIR_ENV,
-    STEP_NAME_ENV,
     check_manifest,
     invalidate_manifest,
-    manifest_digest,
     read_manifest,
-    sha256_file,
     write_manifest,
 )
-from pipeline.run.verdict import DONE_VERDICTS, MEMORY_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
+from pipeline.run.step_inputs import check_inputs, check_program, expand_command, runner_env
+from pipeline.run.verdict import DONE_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 
 STOP_WAIT_S = 30.0  # after an error: how long stopped attempts get to end (executors: STOP_GRACE_S)
 TRANSIENT_RETRIES = 3  # a step whose node was taken away runs again up to this often, besides `retries`
@@ -78,10 +69,6 @@ class Reporter(Protocol):
     def skipped(self, step: str, reason: str) -> None: ...
     def blocked(self, step: str, reason: str) -> None: ...
     def note(self, text: str) -> None: ...
-
-
-class RunDirBusy(RuntimeError):
-    pass
 
 
 @dataclass
@@ -179,15 +166,13 @@ class Orchestrator:
         self._step_budgets: dict[str, Budget] = {}
         self._started = False
         """Whether the run began (its ledger holds it), past the checks that refuse it."""
-        self._executors: dict[str, Executor] = {executor.name: executor}
-        """This run's executor and those that started attempts a dead runner left, by name."""
 
     # -- public ----------------------------------------------------------------------
     def run(self) -> RunResult:
         made = self._made_by_run()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            with self._lock_run_dir():
+            with lock_run_dir(self.run_dir):
                 self._ledger = Ledger(self.run_dir)
                 try:
                     return self._run()
@@ -220,9 +205,9 @@ class Orchestrator:
         problems = []
         for step in self.spec.order():
             try:
-                argv = self._expand(step)
+                argv = expand_command(self.pipeline_path, self.run_dir, step)
                 if self.executor.runs_here:
-                    self._check_command(step, argv)
+                    check_program(self.spec, self.pipeline_path, self.run_dir, step, argv)
             except PipelineError as exc:
                 problems.append(str(exc))
                 continue
@@ -236,11 +221,12 @@ class Orchestrator:
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> RunResult:
-        resumed = self._close_orphans()
+        resumed = close_orphans(self._ledger, self.spec, self.pipeline_path, self.run_dir, self.executor,
+                                self._launch, self.reporter.note)  # fmt: skip
         budget = self.executor.memory_budget()
         self._pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if self._pool == budget.available else "the pipeline's budget"
-        argvs = {s.name: self._expand(s) for s in self.spec.steps}
+        argvs = {s.name: expand_command(self.pipeline_path, self.run_dir, s) for s in self.spec.steps}
         self._check_before_start(binding, argvs)
         ordered = self.spec.order()
         self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
@@ -255,11 +241,12 @@ class Orchestrator:
             f"run {self.run_id}: {steps}, budget {format_size(self._pool)} (set by {binding}), "
             f"executor {self.executor.name}"
         )
-        for running in resumed:
-            step = self._steps[running.step.name]
-            step.attempts, step.limit = 1, running.launch.limit_bytes
+        for orphan in resumed:
+            step = self._steps[orphan.step.name]
+            step.attempts, step.limit = 1, orphan.launch.limit_bytes
             self._set_state(step, StepState.RUNNING)
-            self._watch(running)
+            self._watch(_Running(orphan.step, orphan.row.attempt, orphan.row.id, orphan.launch, orphan.handle,
+                                 orphan.fingerprint, orphan.row.started_at, orphan.detached))  # fmt: skip
         try:
             self._loop()
         except BaseException as exc:
@@ -297,9 +284,9 @@ class Orchestrator:
                     f"exceeds the {format_size(pool)} {where} (set by {by}); lower it or free memory"
                 )
         for step in self.spec.steps:
-            self._check_inputs(step)
+            check_inputs(self.spec, self.pipeline_path, self.run_dir, step)
             if self.executor.runs_here:
-                self._check_command(step, argvs[step.name])
+                check_program(self.spec, self.pipeline_path, self.run_dir, step, argvs[step.name])
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
         self.executor.preflight(self.run_dir, options)
 
@@ -348,8 +335,9 @@ class Orchestrator:
                     self._steps[n].state in SETTLED_STATES for n in step.spec.needs
                 ):
                     continue
-                fingerprint = self._fingerprint(step.spec, step.argv)
-                up_to_date, why = self._up_to_date(step.spec, fingerprint)
+                fingerprint = step_fingerprint(self.spec, self.pipeline_path, self.run_dir, step.spec,
+                                               step.argv)  # fmt: skip
+                up_to_date, why = check_up_to_date(self.run_dir, step.spec, fingerprint)
                 if up_to_date and step.attempts == 0:
                     self._set_state(step, StepState.SKIPPED, why)
                     self.reporter.skipped(step.name, why)
@@ -387,7 +375,7 @@ class Orchestrator:
             self.reporter.note(f"{step.name}: running it again ({verdict}, limit unchanged)")
         elif verdict in step.spec.retry_on and step.attempts <= step.spec.retries:
             pool = self._step_pool(step.spec)
-            new_limit, why = self._next_limit(step.spec, verdict, step.limit, outcome, pool)
+            new_limit, why = next_limit(step.spec, verdict, step.limit, outcome, pool)
             if new_limit is None:
                 self._finish(step, StepState.FAILED, f"{verdict}: {why}")
             else:
@@ -474,14 +462,15 @@ class Orchestrator:
     def _launch(self, step: StepSpec, attempt: int, argv: list[str], fingerprint: str, limit: int,
                 executor: Executor | None = None) -> Launch:  # fmt: skip
         stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
+        runner = runner_env(self.pipeline_path, self.run_dir, step)
         return Launch(
             run_id=self.run_id,
             step=step.name,
             attempt=attempt,
             argv=argv,
             cwd=self.run_dir / step.name,
-            env={**os.environ, **self._eyrie_env(step), **step.env, FINGERPRINT_ENV: fingerprint},
-            step_env=frozenset({*self._eyrie_env(step), *step.env, FINGERPRINT_ENV}),
+            env={**os.environ, **runner, **step.env, FINGERPRINT_ENV: fingerprint},
+            step_env=frozenset({*runner, *step.env, FINGERPRINT_ENV}),
             limit_bytes=limit,
             stdout_path=stdout_path,
             stderr_path=stderr_path,
@@ -612,236 +601,3 @@ class Orchestrator:
         )
         self.reporter.ended(step.name, running.attempt, decision, outcome)
         return decision
-
-    @staticmethod
-    def _next_limit(step: StepSpec, verdict: Verdict, limit: int, outcome: Outcome,
-                    pool: int) -> tuple[int | None, str]:  # fmt: skip
-        if verdict not in MEMORY_VERDICTS:
-            return limit, f"attempt after {verdict}, retry_on names it; limit unchanged"
-        basis = max(limit, outcome.peak_bytes or 0)
-        wanted = math.ceil(basis * step.memory_growth / MIB) * MIB
-        new = min(wanted, pool)
-        if new <= limit:
-            return (
-                None,
-                f"cannot raise the limit above {format_size(limit)}: the budget is {format_size(pool)}",
-            )
-        capped = " (capped by the budget)" if new < wanted else ""
-        return new, (
-            f"limit raised from {format_size(limit)} to {format_size(new)}{capped} after {verdict}: "
-            f"peak {format_size(outcome.peak_bytes)} × {step.memory_growth}"
-        )
-
-    # -- inputs, fingerprints, resume --------------------------------------------------------
-    def _eyrie_env(self, step: StepSpec) -> dict[str, str]:
-        # Steps find the same `python3` and `eyrie` as the runner (its virtual environment first).
-        interpreter_bin = str(Path(sys.executable).parent)
-        return {
-            "PATH": os.pathsep.join([interpreter_bin, os.environ.get("PATH", os.defpath)]),
-            RUN_DIR_ENV: str(self.run_dir),
-            STEP_DIR_ENV: str(self.run_dir / step.name),
-            STEP_NAME_ENV: step.name,
-            PIPELINE_DIR_ENV: str(self.pipeline_path.parent),
-        }
-
-    def _expand(self, step: StepSpec) -> list[str]:
-        """The step's argv with the runner's variables and the step's ``env`` expanded
-        (settings from the environment were expanded when the file was loaded)."""
-        variables = {**self._eyrie_env(step), **step.env}
-
-        def lookup(name: str, default: str | None) -> str:
-            if variables.get(name):
-                return variables[name]
-            if default is not None:
-                return default
-            if name in variables:
-                return ""
-            raise UnknownVariable(name)
-
-        try:
-            return [substitute(arg, lookup) for arg in step.command]
-        except UnknownVariable as exc:
-            raise PipelineError(
-                f"{self.pipeline_path}: steps ({step.name}).command: unknown variable ${{{exc.args[0]}}}; "
-                f"known here: {', '.join(sorted(variables))}"
-            ) from None
-
-    def _missing_input(self, step: StepSpec, path: Path) -> PipelineError:
-        what = "is not a file" if path.exists() else "does not exist"
-        return PipelineError(
-            f"{self.pipeline_path}: steps ({step.name}).inputs: {path} {what} (inputs are files beside "
-            "the pipeline file, or written by a step it needs: create it or fix the path)"
-        )
-
-    def _check_inputs(self, step: StepSpec) -> None:
-        """Before anything starts: every input exists, unless a step it needs is to write it."""
-        upstream_dirs = [self.run_dir / name for name in self.spec.upstream(step.name)]
-        for rel in step.inputs:
-            path = (self.pipeline_path.parent / rel).resolve()
-            if not path.is_file() and not any(d in path.parents for d in upstream_dirs):
-                raise self._missing_input(step, path)
-
-    def _check_command(self, step: StepSpec, argv: list[str]) -> None:
-        """The step's program exists: on its PATH, or a path (from its directory) that exists or that
-        a step it needs is to write."""
-        program = argv[0]
-        if "/" in program:
-            path = (self.run_dir / step.name / program).resolve()
-            upstream_dirs = [self.run_dir / name for name in self.spec.upstream(step.name)]
-            found = path.exists() or any(d in path.parents for d in upstream_dirs)
-        else:
-            path = step.env.get("PATH") or self._eyrie_env(step)["PATH"]
-            found = shutil.which(program, path=path) is not None
-        if not found:
-            where = "no such file" if "/" in program else "not found on the step's PATH"
-            raise PipelineError(
-                f"{self.pipeline_path}: steps ({step.name}).command: {program!r}: {where}; install it, "
-                "or give its full path"
-            )
-
-    def _fingerprint(self, step: StepSpec, argv: list[str]) -> str:
-        inputs = {}
-        for rel in step.inputs:
-            path = self.pipeline_path.parent / rel
-            if not path.is_file():
-                raise self._missing_input(step, path)
-            inputs[rel] = sha256_file(path)
-        payload = {
-            "argv": argv,
-            "env": step.env,
-            "outputs": step.outputs,
-            "needs": {n: manifest_digest(self.run_dir / n) for n in step.needs},
-            "inputs": inputs,
-        }
-        for executor in EXECUTORS:  # e.g. a step's Docker image: other options leave results as they are
-            payload.update(self.spec.executor_options(executor, step.name).fingerprint())
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-    def _up_to_date(self, step: StepSpec, fingerprint: str) -> tuple[bool, str]:
-        step_dir = self.run_dir / step.name
-        manifest = read_manifest(step_dir)
-        if manifest is None:
-            return False, "no manifest"
-        if manifest.fingerprint != fingerprint:
-            return False, "its command, inputs or upstream outputs changed"
-        complete, detail = check_manifest(step_dir, step.outputs)
-        if not complete:
-            return False, detail
-        return True, "up to date: its manifest matches its outputs and inputs"
-
-    # -- crash safety ----------------------------------------------------------------------
-    def _lock_run_dir(self):
-        state = self.run_dir / STATE_DIR
-        state.mkdir(parents=True, exist_ok=True)
-        lock_path = state / "lock"
-        fh = open(lock_path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            fh.close()
-            raise RunDirBusy(
-                f"{self.run_dir} is in use by eyrie pid {holder}; wait for it, or use another --run-dir"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        return _Unlock(fh)
-
-    def _close_orphans(self) -> list[_Running]:
-        """Attempts still 'running' belong to a runner that died. Each is seen to by the executor
-        that started it (whatever this run's is). Those it can watch again (a Slurm job, found by its
-        id) are handed back, to be waited for like any other, when their step is unchanged; what is
-        left of the others is ended where the ledger says they ran and recorded cancelled. One that
-        cannot be stopped, or that ran on another host, stays 'running', and nothing starts."""
-        resumed, stuck = [], []
-        hosts = {run["run_id"]: run["host"] for run in self._ledger.runs()}
-        for row in self._ledger.running_attempts():
-            executor = self._executor_of(row)
-            host = hosts.get(row.run_id)
-            if not executor.detached and host and host != socket.gethostname():
-                here = socket.gethostname()
-                stuck.append(
-                    f"{row.step} attempt {row.attempt} of an earlier run ran on {host} ({row.location}) "
-                    f"and may still run there, where this host ({here}) cannot see it; run again on {host}"
-                )
-                continue
-            try:
-                running, why_not = self._resume(row, executor)
-                if running is not None:
-                    resumed.append(running)
-                    self.reporter.note(
-                        f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
-                        f"before it ended; found it again ({running.handle.where}), waiting for it"
-                    )
-                    continue
-                killed = executor.reap(row.location, row.pid, row.started_at) if row.location else 0
-            except AttemptStillRunning as exc:
-                stuck.append(f"{row.step} attempt {row.attempt} of an earlier run: {exc}")
-                continue
-            except ExecutorError as exc:  # e.g. a controller that does not answer: it may still run
-                raise ExecutorError(
-                    f"{row.step} attempt {row.attempt} of an earlier run ({row.location}) may still run, "
-                    f"and cannot be checked: {exc}"
-                ) from None
-            reason = (
-                f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
-                f"found at the next run{why_not}, {killed} leftover process(es) killed"
-            )
-            self._ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
-                               fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
-            self.reporter.note(f"{row.step} attempt {row.attempt}: {reason}")
-        if stuck:
-            raise RunDirBusy(f"{self.run_dir} is in use: {'; '.join(stuck)}")
-        latest = self._ledger.latest_run()
-        if latest and latest["state"] == RunState.RUNNING:
-            self._ledger.end_run(latest["run_id"], RunState.CANCELLED)
-        return resumed
-
-    def _executor_of(self, row: AttemptRow) -> Executor:
-        """The executor that started an attempt (by its name in the registry): no other can see it."""
-        if row.executor not in self._executors:
-            try:
-                cls = executor_class(row.executor)
-                self._executors[row.executor] = cls(self.spec.executor_options(row.executor))
-            except (ExecutorError, CgroupError) as exc:
-                raise ExecutorError(
-                    f"{row.step} attempt {row.attempt} of an earlier run ran under the {row.executor} "
-                    f"executor ({row.location}) and may still run, but that executor cannot be used here "
-                    f"({exc}); run again with --executor {row.executor}"
-                ) from None
-        return self._executors[row.executor]
-
-    def _resume(self, row: AttemptRow, executor: Executor) -> tuple[_Running | None, str]:
-        """The attempt of a dead runner watched again, or None and why not (for the cancel reason)."""
-        if not row.location:
-            return None, ""
-        try:
-            step = self.spec.step(row.step)
-        except KeyError:
-            return None, " (its step is no longer in the pipeline)"
-        argv = self._expand(step)
-        if json.loads(row.argv) != argv:
-            return None, " (its step's command changed)"
-        fingerprint = self._fingerprint(step, argv)
-        launch = self._launch(step, row.attempt, argv, fingerprint, row.limit_bytes, executor)
-        handle = executor.resume(row.location, launch)
-        if handle is None:
-            return None, ""
-        running = _Running(step, row.attempt, row.id, launch, handle, fingerprint, row.started_at,
-                           executor.detached)  # fmt: skip
-        return running, ""
-
-
-class _Unlock:
-    def __init__(self, fh) -> None:
-        self.fh = fh
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fh, fcntl.LOCK_UN)
-        self.fh.close()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from eyrie_testing import eyrie
-from pipeline.run import EXECUTORS, slurm
+from pipeline.run import EXECUTORS, grid, slurm
 from pipeline.run.executor import (
     AttemptStillRunning,
     ExecutorError,
@@ -20,7 +20,8 @@ from pipeline.run.executor import (
     Launch,
     executor_class,
 )
-from pipeline.run.slurm import SlurmOptions, _exit_status, _merge, batch_script, parse_job_record, sbatch_argv
+from pipeline.run.grid import merge_reports
+from pipeline.run.slurm import SlurmOptions, batch_script, parse_exit_code, parse_job_record, sbatch_argv
 from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.verdict import Verdict, decide
 from tests.fakes.fake_slurm import FakeSlurm
@@ -132,10 +133,10 @@ def cluster(tmp_path, monkeypatch, attempts) -> FakeSlurm:
     fake = FakeSlurm(tmp_path)
     for name, value in fake.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(slurm, "ANSWER_WAITS_S", (0, 0.05, 0.05))
-    monkeypatch.setattr(slurm, "COMMAND_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(slurm, "REAP_WAIT_S", 1.5)
-    monkeypatch.setattr(slurm, "POLL_S", 0.1)
+    monkeypatch.setattr(slurm.controller, "ANSWER_WAITS_S", (0, 0.05, 0.05))
+    monkeypatch.setattr(slurm.controller, "COMMAND_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(slurm.executor, "REAP_WAIT_S", 1.5)
+    monkeypatch.setattr(grid, "POLL_S", 0.1)
     return fake
 
 
@@ -194,9 +195,9 @@ def test_slurms_view_of_a_job():
     record = parse_job_record("JobId=7 JobName=eyrie-x JobState=OUT_OF_MEMORY Reason=OutOfMemory "
                               "ExitCode=0:125 NodeList=gpu01")  # fmt: skip
     assert (record["JobState"], record["ExitCode"]) == ("OUT_OF_MEMORY", "0:125")
-    assert _exit_status("1:0") == (1, None)
-    assert _exit_status("0:9") == (None, signal.SIGKILL)
-    assert _exit_status("") == (None, None)
+    assert parse_exit_code("1:0") == (1, None)
+    assert parse_exit_code("0:9") == (None, signal.SIGKILL)
+    assert parse_exit_code("") == (None, None)
 
 
 def test_several_nodes_reports_are_one_outcome():
@@ -206,7 +207,7 @@ def test_several_nodes_reports_are_one_outcome():
                 "peak_bytes": peak, "anon_peak_bytes": peak // 2,
                 "timeline": [[1.0, peak, peak // 2]]}  # fmt: skip
 
-    merged = _merge([
+    merged = merge_reports([
         report(0, None, signal.SIGKILL, 30.0, 5 * 2**30, 0),  # killed by srun after node 1 failed
         report(1, None, signal.SIGKILL, 20.0, 8 * 2**30, 1),  # OOM-killed first
         report(2, 0, None, 25.0, 2 * 2**30, 0),
@@ -235,7 +236,7 @@ def test_several_nodes_reports_are_one_outcome():
 def test_slurms_final_state_says_who_stopped_a_job_and_stands_in_for_a_missing_report(
     tmp_path, monkeypatch, attempts, slurm_says, report, verdict, reason
 ):
-    monkeypatch.setattr(slurm, "final_state", lambda job_id, patience_s=None: slurm_says)
+    monkeypatch.setattr(slurm.controller, "final_state", lambda job_id, patience_s=None: slurm_says)
     attempt_launch = launch(tmp_path, SlurmOptions())
     if report is not None:
         facts = {"exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
@@ -244,7 +245,7 @@ def test_slurms_final_state_says_who_stopped_a_job_and_stands_in_for_a_missing_r
         path = slurm.report_path(attempt_launch)
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({**facts, **report}))
-    executor = SimpleNamespace(watcher=slurm._Watcher())
+    executor = SimpleNamespace(watcher=slurm.squeue_watcher())
     attempt = slurm.SlurmAttempt(executor, attempt_launch, "812", time.time())
     decision = decide(attempt._outcome(attempt._reports()), False, "no manifest")
     assert decision.verdict == verdict and reason in decision.reason, decision.reason

@@ -16,10 +16,11 @@ import pytest
 import yaml
 
 from pipeline.memory import Budget
-from pipeline.run import orchestrator, slurm
+from pipeline.run import grid, orchestrator, slurm
 from pipeline.run.executor import ExecutorError, ExecutorUnavailable, Launch, Outcome, StepOptions
 from pipeline.run.ledger import Ledger
-from pipeline.run.orchestrator import Orchestrator, RunDirBusy, RunResult
+from pipeline.run.orchestrator import Orchestrator, RunResult
+from pipeline.run.recovery import RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.step_contract import MANIFEST_NAME
 from tests.fakes.fake_slurm import FakeSlurm
@@ -424,8 +425,8 @@ def fake_slurm(tmp_path, monkeypatch):
     fake = FakeSlurm(tmp_path)
     for name, value in fake.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(slurm, "ANSWER_WAITS_S", (0, 0.05, 0.05))
-    monkeypatch.setattr(slurm, "POLL_S", 0.1)
+    monkeypatch.setattr(slurm.controller, "ANSWER_WAITS_S", (0, 0.05, 0.05))
+    monkeypatch.setattr(grid, "POLL_S", 0.1)
     made: list[slurm.SlurmExecutor] = []
     original = slurm.SlurmExecutor.__init__
 

@@ -1,0 +1,90 @@
+"""What a step runs with, as the runner gives it: its command with the runner's variables expanded,
+and, before anything starts, its program and input files found.
+
+A program or input need not exist yet when a step it needs is to write it (under that step's
+directory in the run directory).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
+from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
+
+
+def runner_env(pipeline_path: Path, run_dir: Path, step: StepSpec) -> dict[str, str]:
+    """The variables the runner sets for every step: its place in the run (the step contract's
+    EYRIE_* names), and a PATH on which steps find the same `python3` and `eyrie` as the runner
+    (its virtual environment first)."""
+    interpreter_bin = str(Path(sys.executable).parent)
+    return {
+        "PATH": os.pathsep.join([interpreter_bin, os.environ.get("PATH", os.defpath)]),
+        RUN_DIR_ENV: str(run_dir),
+        STEP_DIR_ENV: str(run_dir / step.name),
+        STEP_NAME_ENV: step.name,
+        PIPELINE_DIR_ENV: str(pipeline_path.parent),
+    }
+
+
+def expand_command(pipeline_path: Path, run_dir: Path, step: StepSpec) -> list[str]:
+    """The step's argv with the runner's variables and the step's ``env`` expanded
+    (settings from the environment were expanded when the file was loaded)."""
+    variables = {**runner_env(pipeline_path, run_dir, step), **step.env}
+
+    def lookup(name: str, default: str | None) -> str:
+        if variables.get(name):
+            return variables[name]
+        if default is not None:
+            return default
+        if name in variables:
+            return ""
+        raise UnknownVariable(name)
+
+    try:
+        return [substitute(arg, lookup) for arg in step.command]
+    except UnknownVariable as exc:
+        raise PipelineError(
+            f"{pipeline_path}: steps ({step.name}).command: unknown variable ${{{exc.args[0]}}}; "
+            f"known here: {', '.join(sorted(variables))}"
+        ) from None
+
+
+def missing_input(pipeline_path: Path, step: StepSpec, path: Path) -> PipelineError:
+    what = "is not a file" if path.exists() else "does not exist"
+    return PipelineError(
+        f"{pipeline_path}: steps ({step.name}).inputs: {path} {what} (inputs are files beside "
+        "the pipeline file, or written by a step it needs: create it or fix the path)"
+    )
+
+
+def check_inputs(spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec) -> None:
+    """Before anything starts: every input exists, unless a step it needs is to write it."""
+    upstream_dirs = [run_dir / name for name in spec.upstream(step.name)]
+    for rel in step.inputs:
+        path = (pipeline_path.parent / rel).resolve()
+        if not path.is_file() and not any(d in path.parents for d in upstream_dirs):
+            raise missing_input(pipeline_path, step, path)
+
+
+def check_program(spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec,
+                  argv: list[str]) -> None:  # fmt: skip
+    """The step's program exists: on its PATH, or a path (from its directory) that exists or that
+    a step it needs is to write."""
+    program = argv[0]
+    if "/" in program:
+        path = (run_dir / step.name / program).resolve()
+        upstream_dirs = [run_dir / name for name in spec.upstream(step.name)]
+        found = path.exists() or any(d in path.parents for d in upstream_dirs)
+    else:
+        path = step.env.get("PATH") or runner_env(pipeline_path, run_dir, step)["PATH"]
+        found = shutil.which(program, path=path) is not None
+    if not found:
+        where = "no such file" if "/" in program else "not found on the step's PATH"
+        raise PipelineError(
+            f"{pipeline_path}: steps ({step.name}).command: {program!r}: {where}; install it, "
+            "or give its full path"
+        )
