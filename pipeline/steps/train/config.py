@@ -77,7 +77,7 @@ class TrainConfig(BaseModel):
     """Where the offline placement writes the target's features (default: OUT/features)."""
     precision: Precision = "auto"
     """What training computes in: auto, fp32 or bf16 (the target held in bf16, autocast); auto is bf16
-    where the device multiplies it fast (a GPU with bf16, a CPU with AVX-512 BF16, AMX or Arm BF16)."""
+    on a GPU with bf16 arithmetic, fp32 elsewhere."""
     dequantize_target: bool = False
     """Hold a quantized target dequantized (its dense size) instead of packed as stored."""
 

@@ -1,7 +1,11 @@
-"""The precision training computes in: bf16 where the device multiplies bf16 fast, else fp32.
+"""The precision training computes in: bf16 on a GPU that multiplies bf16 fast, else fp32.
 
 In bf16 the frozen target is held in bf16 and its forward and the draft's run under bf16 autocast;
 the draft's master weights, the optimizer's states, the loss and the teacher's softmax stay fp32.
+On a CPU ``auto`` stays fp32: on the tiny target, bf16's draft decoded 8.5% fewer tokens per
+target forward than fp32's after the same steps (benchmarks/README.md, "Training"), more than the
+3% bf16 may cost. ``--precision bf16`` still asks for it, and a CPU without bf16 instructions
+is told it emulates them.
 Light on purpose (torch is imported where it is used): the command line reads ``Precision`` here.
 """
 
@@ -61,7 +65,22 @@ def resolve(choice: Precision, device_type: str | None = None) -> Literal["fp32"
     """``auto`` made concrete for ``device_type`` (default: the training device's)."""
     if choice != "auto":
         return choice
-    return "bf16" if fast_bf16(device_type or training_device_type()) else "fp32"
+    device_type = device_type or training_device_type()
+    return "bf16" if device_type == "cuda" and fast_bf16(device_type) else "fp32"
+
+
+def emulated_note(precision: str, device_type: str) -> str | None:
+    """A note for bf16 on a device without bf16 arithmetic of its own (None otherwise)."""
+    if precision != "bf16" or fast_bf16(device_type):
+        return None
+    if device_type == "cuda":
+        return "note: --precision bf16 on a GPU without bf16 arithmetic: emulated, slower than fp32"
+    import torch
+
+    return (
+        f"note: --precision bf16 on a CPU without bf16 instructions (torch's kernels: "
+        f"{torch.backends.cpu.get_cpu_capability()}): emulated, several times slower than fp32 here"
+    )
 
 
 def dtype_of(precision: Literal["fp32", "bf16"]):

@@ -55,7 +55,7 @@ from pipeline.steps.train.placement import (
     target_units,
 )
 from pipeline.steps.train.placement import plan as plan_placement
-from pipeline.steps.train.precision import autocast, dtype_of, resolve, training_device_type
+from pipeline.steps.train.precision import autocast, dtype_of, emulated_note, resolve, training_device_type
 from pipeline.steps.wrapper import language_config
 
 
@@ -367,6 +367,9 @@ def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Bu
     for line in setup.plan.describe():
         log(line)
     device = torch.device(setup.plan.draft_device)
+    note = emulated_note(setup.precision, device.type)
+    if note:
+        log(note)
     if setup.plan.placement == "offline":
         if world > 1 and not is_complete(features_folder(cfg, setup.layer_ids, setup.dtype)):
             raise TrainingInputError("the offline features pass is not complete: run it in one process first")
