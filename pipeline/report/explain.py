@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from pipeline.memory import format_duration, format_size
 from pipeline.report.console import wide_console
-from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
+from pipeline.report.ledger_access import read_run
 from pipeline.report.neighbours import neighbours
 from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import clock
@@ -46,7 +46,7 @@ def not_run_reason(state: dict) -> str:
     return f"{state['step']} did not run: {detail or state['state']}"
 
 
-def explain(row: AttemptRow, run_dir: Path) -> list[str]:
+def attempt_account(row: AttemptRow, run_dir: Path) -> list[str]:
     """Plain sentences saying why an attempt ended as it did, and the facts behind it, from the
     ledger (and the step's folder, for outputs written without a manifest)."""
     verdict = row.verdict
@@ -117,17 +117,16 @@ def _outputs_without_manifest(row: AttemptRow, run_dir: Path, outputs: list[str]
 
 def explain_command(run_dir: Path | None, runs: Path, step: str, attempt: int | None) -> int:
     console, err = wide_console(), Console(stderr=True)
-    run_dir = resolve_run_dir(run_dir, runs, err)
-    if run_dir is None:
-        return EXIT_BAD_INPUT
-    with opened_ledger(run_dir, err) as ledger:
-        if ledger is not None:
-            return _explain(ledger, run_dir, step, attempt, console, err)
-    return EXIT_BAD_INPUT
+
+    def read(ledger: Ledger, found: Path) -> int:
+        return _print_step_account(ledger, found, step, attempt, console, err)
+
+    return read_run(run_dir, runs, err, read)
 
 
-def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, console: Console,
-             err: Console) -> int:  # fmt: skip
+def _print_step_account(
+    ledger: Ledger, run_dir: Path, step: str, attempt: int | None, console: Console, err: Console
+) -> int:
     rows = ledger.attempts(step)
     latest = ledger.latest_run()
     not_run = not_run_steps(ledger, latest).get(step) if latest and attempt is None else None
@@ -157,6 +156,6 @@ def _explain(ledger: Ledger, run_dir: Path, step: str, attempt: int | None, cons
         return EXIT_BAD_INPUT
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    for line in explain(row, run_dir) + neighbours(ledger, row):
+    for line in attempt_account(row, run_dir) + neighbours(ledger, row):
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

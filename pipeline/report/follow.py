@@ -27,7 +27,7 @@ from rich.text import Text
 
 from pipeline.memory import cgroup_at, format_duration, format_size
 from pipeline.report.console import VERDICT_STYLE, wide_console
-from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
+from pipeline.report.ledger_access import read_run
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
@@ -106,20 +106,35 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
     last = ledger.last_host_sample(run_id)
     host = None
     if last is not None:
-        host = {"mem_total": last.mem_total, "mem_available": last.mem_available,
-                "available": last.available, "in_use": last.in_use}  # fmt: skip
+        host = {
+            "mem_total": last.mem_total,
+            "mem_available": last.mem_available,
+            "available": last.available,
+            "in_use": last.in_use,
+        }
     ended, note = run["state"] != RunState.RUNNING, None
     seen = ledger.last_seen(run_id) or run["started_at"]
     if not ended and now - seen > GONE_S:
-        ended, note = True, (
-            f"the runner (pid {run['orchestrator_pid']} on {run['host']}) is gone: its last sign of "
-            f"life was {format_duration(now - seen)} ago, at {clock(seen)}; the run did not end cleanly"
+        ended, note = (
+            True,
+            (
+                f"the runner (pid {run['orchestrator_pid']} on {run['host']}) is gone: its last sign of "
+                f"life was {format_duration(now - seen)} ago, at {clock(seen)}; the run did not end cleanly"
+            ),
         )
     return RunView(
-        at=now, run_id=run_id, pipeline=run["pipeline"], state=run["state"], ended=ended,
-        budget_bytes=run["budget_bytes"], reserved_bytes=reserved, host=host,
-        host_sampled=run.get("host_sampled") != 0, steps=steps, note=note,
-    )  # fmt: skip
+        at=now,
+        run_id=run_id,
+        pipeline=run["pipeline"],
+        state=run["state"],
+        ended=ended,
+        budget_bytes=run["budget_bytes"],
+        reserved_bytes=reserved,
+        host=host,
+        host_sampled=run.get("host_sampled") != 0,
+        steps=steps,
+        note=note,
+    )
 
 
 def _last_line(*logs: Path) -> str | None:
@@ -166,8 +181,13 @@ def render(run: RunView) -> Group:
         ("step", "left"), ("state", "left"), ("memory", "left"), ("in use / limit", "right"),
         ("peak", "right"), ("records", "right"), ("elapsed", "right"), ("last line", "left"),
     ]:  # fmt: skip
-        table.add_column(column, justify=justify, no_wrap=True, overflow="ellipsis",
-                         max_width=60 if column == "last line" else None)  # fmt: skip
+        table.add_column(
+            column,
+            justify=justify,
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=60 if column == "last line" else None,
+        )
     for step in run.steps:
         # A step waiting for its retry shows that, not the verdict of the attempt before.
         shown = (
@@ -215,19 +235,17 @@ def follow_command(run_dir: Path | None, runs: Path, json_output: bool, history:
             soft_wrap=True,
         )
         return EXIT_BAD_INPUT
-    run_dir = resolve_run_dir(run_dir, runs, err)
-    if run_dir is None:
-        return EXIT_BAD_INPUT
+
+    def read(ledger: Ledger, found: Path) -> int:
+        return _follow_live(ledger, found, console, json_output)
+
     try:
-        with opened_ledger(run_dir, err) as ledger:
-            if ledger is not None:
-                return _follow(ledger, run_dir, console, json_output)
+        return read_run(run_dir, runs, err, read)
     except KeyboardInterrupt:
         return 130
-    return EXIT_BAD_INPUT
 
 
-def _follow(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) -> int:
+def _follow_live(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) -> int:
     current = view(ledger, run_dir)
     if current is None:
         Console(stderr=True).print(f"[red]error:[/] the ledger in {escape(str(run_dir))} holds no run yet")

@@ -28,14 +28,14 @@ from pipeline.report.chart import (
     x_axis,
     y_axis,
 )
-from pipeline.report.explain import HEADLINE, explain, not_run_reason
-from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
+from pipeline.report.explain import HEADLINE, attempt_account, not_run_reason
+from pipeline.report.ledger_access import read_run
 from pipeline.report.neighbours import neighbours
 from pipeline.report.run_chart import Legend, run_chart
 from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import clock, run_timeline
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
+from pipeline.run.step_contract import atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }
@@ -206,7 +206,7 @@ def render(ledger: Ledger, run_dir: Path) -> str:
     runs = "".join(_run_section(ledger, run) for run in reversed(ledger.runs()))
     sections = []
     for row in attempts:
-        lines = explain(row, run_dir) + neighbours(ledger, row)
+        lines = attempt_account(row, run_dir) + neighbours(ledger, row)
         why = "".join(f"{esc(line)}\n" for line in lines)
         sections.append(
             f"<h2 id='{esc(row.step)}-{row.attempt}'>{esc(row.step)} attempt {row.attempt}: "
@@ -231,17 +231,10 @@ def render(ledger: Ledger, run_dir: Path) -> str:
 def report_command(run_dir: Path | None, runs: Path, out: Path | None) -> int:
     from rich.console import Console
 
-    err = Console(stderr=True)
-    run_dir = resolve_run_dir(run_dir, runs, err)
-    if run_dir is None:
-        return EXIT_BAD_INPUT
-    page = None
-    with opened_ledger(run_dir, err) as ledger:
-        if ledger is not None:
-            page = render(ledger, run_dir)
-    if page is None:
-        return EXIT_BAD_INPUT
-    target = out or run_dir / "report.html"
-    atomic_write_text(target, page)
-    print(target)
-    return 0
+    def write(ledger: Ledger, found: Path) -> int:
+        target = out or found / "report.html"
+        atomic_write_text(target, render(ledger, found))
+        print(target)
+        return 0
+
+    return read_run(run_dir, runs, Console(stderr=True), write)

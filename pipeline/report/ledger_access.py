@@ -1,10 +1,11 @@
 """How the report commands reach a run's ledger: the run directory to read, and its ledger opened
-read only, with one line and one exit status for a ledger that cannot be read."""
+read only, with one line and one exit status for a ledger that cannot be read. ``read_run`` is
+every report command's opening: ``status``, ``explain``, ``status --follow`` and ``report``."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipeline.run.ledger import LEDGER_NAME, Ledger
+from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 
 def resolve_run_dir(run_dir: Path | None, runs: Path, err: Console) -> Path | None:
@@ -48,13 +50,8 @@ def resolve_run_dir(run_dir: Path | None, runs: Path, err: Console) -> Path | No
 def opened_ledger(run_dir: Path, err: Console) -> Iterator[Ledger | None]:
     """The ledger of ``run_dir``, read only, closed when the block ends; None when there is none or
     SQLite cannot open it. An ``sqlite3.Error`` raised in the block ends the block there. Either is
-    said in one line on ``err``, and the command, past the block, exits ``EXIT_BAD_INPUT``::
-
-        with opened_ledger(run_dir, err) as ledger:
-            if ledger is not None:
-                return read(ledger)
-        return EXIT_BAD_INPUT
-    """
+    said in one line on ``err``; the command, past the block, exits ``EXIT_BAD_INPUT`` (as
+    ``read_run`` does)."""
     ledger = None
     try:
         ledger = Ledger(run_dir, create=False)
@@ -71,6 +68,19 @@ def opened_ledger(run_dir: Path, err: Console) -> Iterator[Ledger | None]:
         _unreadable(ledger.path, exc, err)
     finally:
         ledger.close()
+
+
+def read_run(run_dir: Path | None, runs: Path, err: Console, read: Callable[[Ledger, Path], int]) -> int:
+    """``read(ledger, run_dir)``'s exit status on the run ``resolve_run_dir`` picks, its ledger open
+    read only; ``EXIT_BAD_INPUT``, said in one line on ``err``, when there is no such run or its
+    ledger cannot be read."""
+    resolved = resolve_run_dir(run_dir, runs, err)
+    if resolved is None:
+        return EXIT_BAD_INPUT
+    with opened_ledger(resolved, err) as ledger:
+        if ledger is not None:
+            return read(ledger, resolved)
+    return EXIT_BAD_INPUT
 
 
 def _unreadable(path: Path, exc: sqlite3.Error, err: Console) -> None:

@@ -34,8 +34,13 @@ def memory_command(json_output: bool) -> int:
             format_size(reading.working_set),
             format_size(reading.headroom) if reading.headroom is not None else "-",
         )
-    table.add_row("/proc/meminfo MemAvailable", format_size(budget.mem_total) + " total", "", "",
-                  format_size(budget.mem_available))  # fmt: skip
+    table.add_row(
+        "/proc/meminfo MemAvailable",
+        format_size(budget.mem_total) + " total",
+        "",
+        "",
+        format_size(budget.mem_available),
+    )
     console.print(table)
     console.print(
         f"budget: [bold]{format_size(budget.available)}[/] (set by {budget.binding}); "

@@ -68,8 +68,10 @@ def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
         )
     if beside:
         held = sum(usage or 0 for _, usage in beside)
-        listed = ", ".join(f"{_name(t)} {format_size(usage)} of its {format_size(t.row.limit_bytes)} limit"
-                           for t, usage in sorted(beside, key=lambda b: -(b[1] or 0)))  # fmt: skip
+        listed = ", ".join(
+            f"{_name(t)} {format_size(usage)} of its {format_size(t.row.limit_bytes)} limit"
+            for t, usage in sorted(beside, key=lambda b: -(b[1] or 0))
+        )
         others = ""
         if host is not None:
             # The host's "in use" leaves out page cache it can reclaim: set the steps' anonymous

@@ -101,10 +101,14 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
         if box[1] > box[0]
     ]
     if timeline.steps_elsewhere:
-        body.append(_title(
-            f"Host memory: not sampled — the steps ran on the cluster's nodes ({timeline.run['executor']} "
-            "executor), which the runner cannot see", 14,
-        ))  # fmt: skip
+        executor = timeline.run["executor"]
+        body.append(
+            _title(
+                f"Host memory: not sampled — the steps ran on the cluster's nodes ({executor} executor), "
+                "which the runner cannot see",
+                14,
+            )
+        )
     else:
         body += _host_panel(timeline, tracks, edges, xs, host_box, colors, legend)
     body += _steps_panel(timeline, tracks, edges, xs, steps_box, colors, legend)
@@ -139,9 +143,15 @@ def run_chart(timeline: RunTimeline) -> tuple[str, list[Legend]]:
     return svg, legend
 
 
-def _host_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float], xs: list[int],
-                box: tuple[int, int], colors: dict[str, str],
-                legend: list[Legend]) -> list[str]:  # fmt: skip
+def _host_panel(
+    timeline: RunTimeline,
+    tracks: list[Track],
+    edges: list[float],
+    xs: list[int],
+    box: tuple[int, int],
+    colors: dict[str, str],
+    legend: list[Legend],
+) -> list[str]:
     cols = range(len(edges) - 1)
     hosts = [timeline.host_between(edges[i], edges[i + 1]) for i in cols]
     anons = {t.row.id: [t.usage_between(edges[i], edges[i + 1], anon=True) for i in cols] for t in tracks}
@@ -182,9 +192,15 @@ def _host_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float], 
     return parts
 
 
-def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float], xs: list[int],
-                 box: tuple[int, int], colors: dict[str, str],
-                 legend: list[Legend]) -> list[str]:  # fmt: skip
+def _steps_panel(
+    timeline: RunTimeline,
+    tracks: list[Track],
+    edges: list[float],
+    xs: list[int],
+    box: tuple[int, int],
+    colors: dict[str, str],
+    legend: list[Legend],
+) -> list[str]:
     cols = range(len(edges) - 1)
     # What each attempt held in each column, at one moment: the column's middle, as the budget is
     # kept at every moment (a column's highest of each would stack a job admitted late in it on the
@@ -198,10 +214,11 @@ def _steps_panel(timeline: RunTimeline, tracks: list[Track], edges: list[float],
             moments[min(bisect.bisect_right(edges, own), len(middles)) - 1] = own
         held[t.row.id] = [None if m is None else t.held_at(m) for m in moments]
     usage = {
-        t.row.id: [t.usage_between(edges[i], edges[i + 1]) if held[t.row.id][i] is not None else None
-                   for i in cols]
+        t.row.id: [
+            t.usage_between(edges[i], edges[i + 1]) if held[t.row.id][i] is not None else None for i in cols
+        ]
         for t in tracks
-    }  # fmt: skip
+    }
     reserved = [sum(held[t.row.id][i] or 0 for t in tracks) for i in cols]
     budget = timeline.run["budget_bytes"]
     top = max([*reserved, 1])

@@ -12,10 +12,9 @@ from rich.table import Table
 
 from pipeline.memory import format_duration, format_size
 from pipeline.report.console import VERDICT_STYLE, wide_console
-from pipeline.report.ledger_access import opened_ledger, resolve_run_dir
+from pipeline.report.ledger_access import read_run
 from pipeline.report.timeline import clock
 from pipeline.run.ledger import AttemptRow, Ledger, StepState
-from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 # Steps that have no attempt in the run to show: listed below the attempts with their state.
 NOT_RUN_STATES = (StepState.SKIPPED, StepState.BLOCKED, StepState.PENDING, StepState.CANCELLED)
@@ -33,13 +32,11 @@ def exit_text(row: AttemptRow) -> str:
 def status_command(run_dir: Path | None, runs: Path, json_output: bool, history: bool = False) -> int:
     """`eyrie status` (`--follow` is ``follow.follow_command``'s, which cli.py calls itself)."""
     console, err = wide_console(), Console(stderr=True)
-    run_dir = resolve_run_dir(run_dir, runs, err)
-    if run_dir is None:
-        return EXIT_BAD_INPUT
-    with opened_ledger(run_dir, err) as ledger:
-        if ledger is not None:
-            return _status(ledger, console, json_output, history)
-    return EXIT_BAD_INPUT
+
+    def read(ledger: Ledger, _: Path) -> int:
+        return _print_status(ledger, console, json_output, history)
+
+    return read_run(run_dir, runs, err, read)
 
 
 def not_run_steps(ledger: Ledger, run: dict) -> dict[str, dict]:
@@ -54,13 +51,15 @@ def not_run_steps(ledger: Ledger, run: dict) -> dict[str, dict]:
     }
 
 
-def _status(ledger: Ledger, console: Console, json_output: bool, history: bool) -> int:
+def _print_status(ledger: Ledger, console: Console, json_output: bool, history: bool) -> int:
     every = ledger.attempts()
     latest = ledger.latest_run()
     reservations = ledger.reservations()
     if json_output:
-        rows = [a.as_json() | ({"reservations": reservations[a.id]} if a.id in reservations else {})
-                for a in every]  # fmt: skip
+        rows = [
+            a.as_json() | ({"reservations": reservations[a.id]} if a.id in reservations else {})
+            for a in every
+        ]
         print(json.dumps(rows, indent=2))
         return 0
     title = "eyrie status"
@@ -97,8 +96,18 @@ def _status(ledger: Ledger, console: Console, json_output: bool, history: bool) 
         shown += [a for a in attempts if a.step not in steps]
     for item in shown:
         if isinstance(item, dict):
-            table.add_row(item["step"], "-", f"[dim]{item['state']}[/]", "", "", "", "", "", "",
-                          f"[dim]{escape(item['detail'])}[/]")  # fmt: skip
+            table.add_row(
+                item["step"],
+                "-",
+                f"[dim]{item['state']}[/]",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"[dim]{escape(item['detail'])}[/]",
+            )
             continue
         verdict = item.verdict or f"running ({f'pid {item.pid}' if item.pid else item.location})"
         style = VERDICT_STYLE.get(item.verdict or "", "cyan")
@@ -134,8 +143,14 @@ def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int,
         reserved = " → ".join(format_size(r["reserved_bytes"]) for r in held) or format_size(row.limit_bytes)
         style = VERDICT_STYLE.get(row.verdict or "", "cyan")
         table.add_row(
-            row.step, str(row.attempt), f"[{style}]{row.verdict or f'running (pid {row.pid})'}[/]",
-            format_size(expected) if expected else "default", format_size(row.anon_peak_bytes), ratio,
-            reserved, format_duration(row.wall_s), escape(row.limit_reason or ""),
-        )  # fmt: skip
+            row.step,
+            str(row.attempt),
+            f"[{style}]{row.verdict or f'running (pid {row.pid})'}[/]",
+            format_size(expected) if expected else "default",
+            format_size(row.anon_peak_bytes),
+            ratio,
+            reserved,
+            format_duration(row.wall_s),
+            escape(row.limit_reason or ""),
+        )
     return table

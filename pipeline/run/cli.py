@@ -72,8 +72,12 @@ def make_executor(name: str, spec: PipelineSpec) -> Executor:
     return cls(spec.executor_options(name))
 
 
-def run_command(pipeline_file: Path, run_dir: Path, executor_name: str,
-                check: Callable[[list[str]], str | None] | None = None) -> int:  # fmt: skip
+def run_command(
+    pipeline_file: Path,
+    run_dir: Path,
+    executor_name: str,
+    check: Callable[[list[str]], str | None] | None = None,
+) -> int:
     """Run the pipeline; with ``check`` (what an ``eyrie`` command's options lack), only check it."""
     console = Console(stderr=False)
     errors = Console(stderr=True)

@@ -210,10 +210,18 @@ class DockerAttempt:
             container.reload()
             self.pid: int | None = container.attrs["State"].get("Pid") or None
             api = executor.client.api
-            self._out = _Lines(api.logs(container.id, stdout=True, stderr=False, stream=True, follow=True),
-                               launch.stdout_path, "stdout", launch.on_line)  # fmt: skip
-            self._err = _Lines(api.logs(container.id, stdout=False, stderr=True, stream=True, follow=True),
-                               launch.stderr_path, "stderr", launch.on_line)  # fmt: skip
+            self._out = _Lines(
+                api.logs(container.id, stdout=True, stderr=False, stream=True, follow=True),
+                launch.stdout_path,
+                "stdout",
+                launch.on_line,
+            )
+            self._err = _Lines(
+                api.logs(container.id, stdout=False, stderr=True, stream=True, follow=True),
+                launch.stderr_path,
+                "stderr",
+                launch.on_line,
+            )
         except BaseException:
             self.events.close(settle=False)
             raise
@@ -331,8 +339,12 @@ class DockerExecutor:
     admits_by_memory = False
     detached = False
 
-    def __init__(self, options: DockerOptions | None = None, client: docker.DockerClient | None = None,
-                 image: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        options: DockerOptions | None = None,
+        client: docker.DockerClient | None = None,
+        image: str | None = None,
+    ) -> None:
         """``options``: the pipeline's own; each launch carries them merged with its step's."""
         if _SDK_MISSING is not None:
             raise ExecutorError(f"the docker executor is not available: {_SDK_MISSING}")

@@ -19,8 +19,9 @@ from pipeline.run.step_contract import check_manifest, manifest_digest, read_man
 from pipeline.run.step_inputs import missing_input
 
 
-def step_fingerprint(spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec,
-                     argv: list[str]) -> str:  # fmt: skip
+def step_fingerprint(
+    spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec, argv: list[str]
+) -> str:
     inputs = {}
     for rel in step.inputs:
         path = pipeline_path.parent / rel

@@ -66,8 +66,9 @@ class HostSampler:
             budget = self._read()
         except (OSError, CgroupError):
             return  # a cgroup file vanished mid-read: the next poll reads again
-        seen = HostSample(time.time(), budget.mem_total, budget.mem_available, budget.available,
-                          _capacity(budget))  # fmt: skip
+        seen = HostSample(
+            time.time(), budget.mem_total, budget.mem_available, budget.available, _capacity(budget)
+        )
         window = self._window
         if window is not None:
             seen = HostSample(

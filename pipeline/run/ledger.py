@@ -52,6 +52,7 @@ class StepState(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -269,17 +270,36 @@ class Ledger:
             return self._db.execute(sql, params)
 
     # -- runs and step states ---------------------------------------------------------
-    def start_run(self, run_id: str, pipeline: str, executor: str, steps: list[str],
-                  budget_bytes: int | None, budget_binding: str | None, *,
-                  host_sampled: bool = True) -> None:  # fmt: skip
+    def start_run(
+        self,
+        run_id: str,
+        pipeline: str,
+        executor: str,
+        steps: list[str],
+        budget_bytes: int | None,
+        budget_binding: str | None,
+        *,
+        host_sampled: bool = True,
+    ) -> None:
         """``host_sampled``: False when the executor's steps run on machines this one cannot see."""
         self._write(
             "INSERT INTO runs (run_id, pipeline, started_at, state, orchestrator_pid, host, executor,"
             " budget_bytes, budget_binding, steps, host_sampled)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (run_id, pipeline, time.time(), RunState.RUNNING.value, os.getpid(), socket.gethostname(),
-             executor, budget_bytes, budget_binding, json.dumps(steps), int(host_sampled)),
-        )  # fmt: skip
+            (
+                run_id,
+                pipeline,
+                time.time(),
+                RunState.RUNNING.value,
+                os.getpid(),
+                socket.gethostname(),
+                executor,
+                budget_bytes,
+                budget_binding,
+                json.dumps(steps),
+                int(host_sampled),
+            ),
+        )
         for step in steps:
             self.set_step_state(run_id, step, StepState.PENDING)
 
@@ -315,10 +335,22 @@ class Ledger:
         row = self._db.execute("SELECT MAX(attempt) FROM attempts WHERE step = ?", (step,)).fetchone()
         return (row[0] or 0) + 1
 
-    def begin_attempt(self, *, run_id: str, step: str, attempt: int, executor: str,
-                      limit_bytes: int, limit_reason: str | None, argv: list[str],
-                      host_mem_available: int | None, host_mem_total: int | None, image: str | None,
-                      commit_id: str | None, outputs: list[str] | None = None) -> int:  # fmt: skip
+    def begin_attempt(
+        self,
+        *,
+        run_id: str,
+        step: str,
+        attempt: int,
+        executor: str,
+        limit_bytes: int,
+        limit_reason: str | None,
+        argv: list[str],
+        host_mem_available: int | None,
+        host_mem_total: int | None,
+        image: str | None,
+        commit_id: str | None,
+        outputs: list[str] | None = None,
+    ) -> int:
         """``host_mem_*``: the memory the step's executor saw at its start (None: it runs on a machine
         this one does not see); ``outputs``: what the step declares it writes (None: it declares
         nothing, as a compile job)."""
@@ -326,17 +358,37 @@ class Ledger:
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
             " commit_id, argv, outputs) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (run_id, step, attempt, executor, os.getpid(), limit_bytes, limit_reason, time.time(),
-             host_mem_available, host_mem_total, image, commit_id, json.dumps(argv),
-             None if outputs is None else json.dumps(outputs)),
-        )  # fmt: skip
+            (
+                run_id,
+                step,
+                attempt,
+                executor,
+                os.getpid(),
+                limit_bytes,
+                limit_reason,
+                time.time(),
+                host_mem_available,
+                host_mem_total,
+                image,
+                commit_id,
+                json.dumps(argv),
+                None if outputs is None else json.dumps(outputs),
+            ),
+        )
         return int(cursor.lastrowid)
 
     def attempt_started(self, attempt_id: int, pid: int | None, location: str) -> None:
         self._write("UPDATE attempts SET pid = ?, location = ? WHERE id = ?", (pid, location, attempt_id))
 
-    def end_attempt(self, attempt_id: int, *, verdict: str, reason: str, fields: dict[str, Any],
-                    timeline: list[tuple[float, int, int]]) -> None:  # fmt: skip
+    def end_attempt(
+        self,
+        attempt_id: int,
+        *,
+        verdict: str,
+        reason: str,
+        fields: dict[str, Any],
+        timeline: list[tuple[float, int, int]],
+    ) -> None:
         allowed = {
             "peak_bytes", "anon_peak_bytes", "oom_kills", "oom_kills_before", "oom_kills_after",
             "oom_at", "exit_code", "signal", "ended_at", "records", "stderr_tail", "started_at",
@@ -443,10 +495,15 @@ class Ledger:
             return []
         rows = self._db.execute(f"SELECT * FROM host_samples {where}", params).fetchall()
         return [
-            HostSample(r["t"], r["mem_total"], r["mem_available"], r["available"],
-                       r["capacity"] if "capacity" in r.keys() else None)
+            HostSample(
+                r["t"],
+                r["mem_total"],
+                r["mem_available"],
+                r["available"],
+                r["capacity"] if "capacity" in r.keys() else None,
+            )
             for r in rows
-        ]  # fmt: skip
+        ]
 
     def _has_table(self, name: str) -> bool:
         query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"

@@ -12,6 +12,7 @@ the others as ``cancelled`` (``recovery``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -117,15 +118,16 @@ class _Running:
 
 @dataclass
 class _Unsubmitted:
-    """An attempt a detached executor could not submit for want of an answer: submitted again under
-    the same name (the executor looks for it first) once ``due``, until SUBMIT_PATIENCE_S."""
+    """An attempt begun in the ledger, not yet handed to its executor. One a detached executor could
+    not submit for want of an answer is submitted again under the same name (the executor looks for
+    it first) once ``due``, until SUBMIT_PATIENCE_S after it was ``first_tried``."""
 
     attempt: int
     attempt_id: int
     launch: Launch
     fingerprint: str
     first_tried: float
-    due: float
+    due: float = 0.0
 
 
 def eyrie_commit() -> str | None:
@@ -133,8 +135,11 @@ def eyrie_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -221,8 +226,15 @@ class Orchestrator:
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> RunResult:
-        resumed = close_orphans(self._ledger, self.spec, self.pipeline_path, self.run_dir, self.executor,
-                                self._launch, self.reporter.note)  # fmt: skip
+        resumed = close_orphans(
+            self._ledger,
+            self.spec,
+            self.pipeline_path,
+            self.run_dir,
+            self.executor,
+            self._launch,
+            self.reporter.note,
+        )
         budget = self.executor.memory_budget()
         self._pool = min(budget.available, self.spec.budget or budget.available)
         binding = budget.binding if self._pool == budget.available else "the pipeline's budget"
@@ -232,7 +244,12 @@ class Orchestrator:
         self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
         self._started = True
         self._ledger.start_run(
-            self.run_id, str(self.pipeline_path), self.executor.name, list(self._steps), self._pool, binding,
+            self.run_id,
+            str(self.pipeline_path),
+            self.executor.name,
+            list(self._steps),
+            self._pool,
+            binding,
             host_sampled=self.executor.host_memory is not None,
         )
         host = HostSampler(self._ledger, self.run_id, self.executor.host_memory).start()
@@ -245,8 +262,18 @@ class Orchestrator:
             step = self._steps[orphan.step.name]
             step.attempts, step.limit = 1, orphan.launch.limit_bytes
             self._set_state(step, StepState.RUNNING)
-            self._watch(_Running(orphan.step, orphan.row.attempt, orphan.row.id, orphan.launch, orphan.handle,
-                                 orphan.fingerprint, orphan.row.started_at, orphan.detached))  # fmt: skip
+            self._watch(
+                _Running(
+                    orphan.step,
+                    orphan.row.attempt,
+                    orphan.row.id,
+                    orphan.launch,
+                    orphan.handle,
+                    orphan.fingerprint,
+                    orphan.row.started_at,
+                    orphan.detached,
+                )
+            )
         try:
             self._loop()
         except BaseException as exc:
@@ -335,8 +362,9 @@ class Orchestrator:
                     self._steps[n].state in SETTLED_STATES for n in step.spec.needs
                 ):
                     continue
-                fingerprint = step_fingerprint(self.spec, self.pipeline_path, self.run_dir, step.spec,
-                                               step.argv)  # fmt: skip
+                fingerprint = step_fingerprint(
+                    self.spec, self.pipeline_path, self.run_dir, step.spec, step.argv
+                )
                 up_to_date, why = check_up_to_date(self.run_dir, step.spec, fingerprint)
                 if up_to_date and step.attempts == 0:
                     self._set_state(step, StepState.SKIPPED, why)
@@ -349,12 +377,12 @@ class Orchestrator:
                     if waiting.due > time.monotonic():
                         continue
                     step.unsubmitted = None  # until it is handed back again: ended, if _submit raises
-                    step.unsubmitted = self._submit(step.spec, waiting.attempt, waiting.attempt_id,
-                                                    waiting.launch, waiting.fingerprint, waiting.first_tried)
+                    step.unsubmitted = self._submit(step.spec, waiting)
                 else:
                     step.attempts += 1
-                    step.unsubmitted = self._start(step.spec, step.argv, fingerprint, step.limit,
-                                                   step.limit_reason)  # fmt: skip
+                    step.unsubmitted = self._start(
+                        step.spec, step.argv, fingerprint, step.limit, step.limit_reason
+                    )
                 if step.unsubmitted is not None:
                     continue
                 self._set_state(step, StepState.RUNNING)
@@ -446,10 +474,12 @@ class Orchestrator:
             return
         step.unsubmitted = None
         self._ledger.end_attempt(
-            waiting.attempt_id, verdict=Verdict.CANCELLED.value,
+            waiting.attempt_id,
+            verdict=Verdict.CANCELLED.value,
             reason=f"never submitted: the scheduler did not answer, then {why}",
-            fields={"ended_at": time.time()}, timeline=[],
-        )  # fmt: skip
+            fields={"ended_at": time.time()},
+            timeline=[],
+        )
 
     def _leave_running(self, step: _StepRun, running: _Running) -> None:
         """An attempt whose end the runner could not see, and that it could not stop: it stays
@@ -459,8 +489,15 @@ class Orchestrator:
         self._finish(step, StepState.FAILED, f"left running ({where}): the runner lost track of it")
 
     # -- one attempt ---------------------------------------------------------------------
-    def _launch(self, step: StepSpec, attempt: int, argv: list[str], fingerprint: str, limit: int,
-                executor: Executor | None = None) -> Launch:  # fmt: skip
+    def _launch(
+        self,
+        step: StepSpec,
+        attempt: int,
+        argv: list[str],
+        fingerprint: str,
+        limit: int,
+        executor: Executor | None = None,
+    ) -> Launch:
         stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
         runner = runner_env(self.pipeline_path, self.run_dir, step)
         return Launch(
@@ -480,8 +517,9 @@ class Orchestrator:
             on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
         )
 
-    def _start(self, step: StepSpec, argv: list[str], fingerprint: str, limit: int,
-               limit_reason: str | None) -> _Unsubmitted | None:  # fmt: skip
+    def _start(
+        self, step: StepSpec, argv: list[str], fingerprint: str, limit: int, limit_reason: str | None
+    ) -> _Unsubmitted | None:
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
@@ -489,44 +527,61 @@ class Orchestrator:
         host = self.executor.host_memory() if self.executor.host_memory else None  # None: not seen here
         launch = self._launch(step, attempt, argv, fingerprint, limit)
         attempt_id = self._ledger.begin_attempt(
-            run_id=self.run_id, step=step.name, attempt=attempt, executor=self.executor.name,
-            limit_bytes=limit, limit_reason=limit_reason, argv=argv,
+            run_id=self.run_id,
+            step=step.name,
+            attempt=attempt,
+            executor=self.executor.name,
+            limit_bytes=limit,
+            limit_reason=limit_reason,
+            argv=argv,
             host_mem_available=None if host is None else host.mem_available,
             host_mem_total=None if host is None else host.mem_total,
-            image=self._image(launch), commit_id=self.commit, outputs=step.outputs,
-        )  # fmt: skip
+            image=self._image(launch),
+            commit_id=self.commit,
+            outputs=step.outputs,
+        )
         self.reporter.started(step.name, attempt, limit, limit_reason)
-        return self._submit(step, attempt, attempt_id, launch, fingerprint, time.monotonic())
+        return self._submit(step, _Unsubmitted(attempt, attempt_id, launch, fingerprint, time.monotonic()))
 
-    def _submit(self, step: StepSpec, attempt: int, attempt_id: int, launch: Launch, fingerprint: str,
-                first_tried: float) -> _Unsubmitted | None:  # fmt: skip
+    def _submit(self, step: StepSpec, pending: _Unsubmitted) -> _Unsubmitted | None:
         """Hand the attempt to the executor. A detached executor's submission that got no answer is
         handed back, to be tried again later (the step waits, nothing else stops); any other failure
         ends the attempt and stops the run."""
         started_at = time.time()
         try:
-            handle = self.executor.start(launch)
+            handle = self.executor.start(pending.launch)
         except ExecutorUnavailable as exc:
-            if self.executor.detached and time.monotonic() - first_tried < SUBMIT_PATIENCE_S:
+            if self.executor.detached and time.monotonic() - pending.first_tried < SUBMIT_PATIENCE_S:
                 self.reporter.note(f"{step.name}: {exc}; submitting it again in {SUBMIT_RETRY_S:.0f} s")
-                due = time.monotonic() + SUBMIT_RETRY_S
-                return _Unsubmitted(attempt, attempt_id, launch, fingerprint, first_tried, due)
-            self._end_unstarted(attempt_id, exc)
+                return dataclasses.replace(pending, due=time.monotonic() + SUBMIT_RETRY_S)
+            self._end_unstarted(pending.attempt_id, exc)
             raise
         except BaseException as exc:
-            self._end_unstarted(attempt_id, exc)
+            self._end_unstarted(pending.attempt_id, exc)
             raise
-        self._ledger.attempt_started(attempt_id, handle.pid, handle.where)
-        self._watch(_Running(step, attempt, attempt_id, launch, handle, fingerprint, started_at,
-                             self.executor.detached))  # fmt: skip
+        self._ledger.attempt_started(pending.attempt_id, handle.pid, handle.where)
+        self._watch(
+            _Running(
+                step,
+                pending.attempt,
+                pending.attempt_id,
+                pending.launch,
+                handle,
+                pending.fingerprint,
+                started_at,
+                self.executor.detached,
+            )
+        )
         return None
 
     def _end_unstarted(self, attempt_id: int, exc: BaseException) -> None:
         self._ledger.end_attempt(
-            attempt_id, verdict=Verdict.FAILED.value,
+            attempt_id,
+            verdict=Verdict.FAILED.value,
             reason=f"the {self.executor.name} executor could not start it: {exc}",
-            fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])}, timeline=[],
-        )  # fmt: skip
+            fields={"ended_at": time.time(), "stderr_tail": json.dumps([str(exc)])},
+            timeline=[],
+        )
 
     @staticmethod
     def _image(launch: Launch) -> str | None:
@@ -558,11 +613,19 @@ class Orchestrator:
             if running.detached:
                 return None
         return Outcome(
-            exit_code=None, signal=None, oom_kills_before=0, oom_kills_after=0, oom_at=None,
-            peak_bytes=None, anon_peak_bytes=None, started_at=running.started_at, ended_at=time.time(),
-            stderr_tail=[f"eyrie: lost track of the attempt: {error}"], where=running.handle.where,
+            exit_code=None,
+            signal=None,
+            oom_kills_before=0,
+            oom_kills_after=0,
+            oom_at=None,
+            peak_bytes=None,
+            anon_peak_bytes=None,
+            started_at=running.started_at,
+            ended_at=time.time(),
+            stderr_tail=[f"eyrie: lost track of the attempt: {error}"],
+            where=running.handle.where,
             runner_error=error,
-        )  # fmt: skip
+        )
 
     def _record(self, running: _Running, outcome: Outcome) -> Decision:
         step, step_dir = running.step, running.launch.cwd

@@ -88,8 +88,15 @@ class _Unlock:
         self.fh.close()
 
 
-def close_orphans(ledger: Ledger, spec: PipelineSpec, pipeline_path: Path, run_dir: Path, executor: Executor,
-                  launch: LaunchFor, note: Callable[[str], None]) -> list[Resumed]:  # fmt: skip
+def close_orphans(
+    ledger: Ledger,
+    spec: PipelineSpec,
+    pipeline_path: Path,
+    run_dir: Path,
+    executor: Executor,
+    launch: LaunchFor,
+    note: Callable[[str], None],
+) -> list[Resumed]:
     """Attempts still 'running' belong to a runner that died. Each is seen to by the executor
     that started it (whatever this run's, ``executor``, is). Those it can watch again (a Slurm job,
     found by its id) are handed back, to be waited for like any other, when their step is unchanged;
@@ -130,8 +137,13 @@ def close_orphans(ledger: Ledger, spec: PipelineSpec, pipeline_path: Path, run_d
             f"the runner (pid {row.orchestrator_pid}) stopped before this attempt ended; "
             f"found at the next run{why_not}, {killed} leftover process(es) killed"
         )
-        ledger.end_attempt(row.id, verdict=Verdict.CANCELLED.value, reason=reason,
-                           fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
+        ledger.end_attempt(
+            row.id,
+            verdict=Verdict.CANCELLED.value,
+            reason=reason,
+            fields={"ended_at": time.time()},
+            timeline=[],
+        )
         note(f"{row.step} attempt {row.attempt}: {reason}")
     if stuck:
         raise RunDirBusy(f"{run_dir} is in use: {'; '.join(stuck)}")
@@ -157,8 +169,14 @@ def _executor_of(row: AttemptRow, spec: PipelineSpec, executors: dict[str, Execu
     return executors[row.executor]
 
 
-def _resume(row: AttemptRow, executor: Executor, spec: PipelineSpec, pipeline_path: Path, run_dir: Path,
-            launch: LaunchFor) -> tuple[Resumed | None, str]:  # fmt: skip
+def _resume(
+    row: AttemptRow,
+    executor: Executor,
+    spec: PipelineSpec,
+    pipeline_path: Path,
+    run_dir: Path,
+    launch: LaunchFor,
+) -> tuple[Resumed | None, str]:
     """The attempt of a dead runner watched again, or None and why not (for the cancel reason)."""
     if not row.location:
         return None, ""

@@ -11,8 +11,9 @@ from pipeline.run.spec import StepSpec
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict
 
 
-def next_limit(step: StepSpec, verdict: Verdict, limit: int, outcome: Outcome,
-               pool: int) -> tuple[int | None, str]:  # fmt: skip
+def next_limit(
+    step: StepSpec, verdict: Verdict, limit: int, outcome: Outcome, pool: int
+) -> tuple[int | None, str]:
     """The next limit (whole MiB, at most ``pool``) and why; None when it cannot rise above ``limit``."""
     if verdict not in MEMORY_VERDICTS:
         return limit, f"attempt after {verdict}, retry_on names it; limit unchanged"

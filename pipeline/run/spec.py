@@ -74,9 +74,7 @@ def substitute(text: str, lookup) -> str:
 
 
 # Each executor's options, under its name: for the whole pipeline, and per step on top of that.
-_EXECUTOR_FIELDS: dict[str, Any] = {
-    name: (executor_class(name).Options | None, None) for name in EXECUTORS
-}
+_EXECUTOR_FIELDS: dict[str, Any] = {name: (executor_class(name).Options | None, None) for name in EXECUTORS}
 
 
 class _Step(BaseModel):

@@ -70,8 +70,9 @@ def check_inputs(spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: S
             raise missing_input(pipeline_path, step, path)
 
 
-def check_program(spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec,
-                  argv: list[str]) -> None:  # fmt: skip
+def check_program(
+    spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec, argv: list[str]
+) -> None:
     """The step's program exists: on its PATH, or a path (from its directory) that exists or that
     a step it needs is to write."""
     program = argv[0]

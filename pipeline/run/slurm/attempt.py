@@ -124,24 +124,38 @@ class SlurmAttempt:
             elif unavailable:
                 evidence = f"the job's cgroup; Slurm's state was unavailable: {unavailable}"
             return Outcome(
-                exit_code=facts["exit_code"], signal=facts["signal"],
-                oom_kills_before=facts["oom_kills_before"], oom_kills_after=facts["oom_kills_after"],
-                oom_at=facts["oom_at"], peak_bytes=facts["peak_bytes"],
-                anon_peak_bytes=facts["anon_peak_bytes"], started_at=facts["started_at"],
-                ended_at=facts["ended_at"], timeline=[tuple(p) for p in facts["timeline"]],
-                thrash=facts.get("thrash"), evidence=evidence, **common,
-            )  # fmt: skip
+                exit_code=facts["exit_code"],
+                signal=facts["signal"],
+                oom_kills_before=facts["oom_kills_before"],
+                oom_kills_after=facts["oom_kills_after"],
+                oom_at=facts["oom_at"],
+                peak_bytes=facts["peak_bytes"],
+                anon_peak_bytes=facts["anon_peak_bytes"],
+                started_at=facts["started_at"],
+                ended_at=facts["ended_at"],
+                timeline=[tuple(p) for p in facts["timeline"]],
+                thrash=facts.get("thrash"),
+                evidence=evidence,
+                **common,
+            )
         missing = f"{expected - len(reports)} of {expected} in-job report(s) missing"
         if state is None:
             return Outcome(
-                exit_code=None, signal=None, oom_kills_before=0, oom_kills_after=0, oom_at=None,
-                peak_bytes=None, anon_peak_bytes=None, started_at=self.started_at, ended_at=time.time(),
+                exit_code=None,
+                signal=None,
+                oom_kills_before=0,
+                oom_kills_after=0,
+                oom_at=None,
+                peak_bytes=None,
+                anon_peak_bytes=None,
+                started_at=self.started_at,
+                ended_at=time.time(),
                 runner_error=(
                     f"job {self.job_id} ended with its in-job report missing, and Slurm no longer "
                     "knows it (scontrol has forgotten it; sacct has no accounting)"
                 ),
                 **common,
-            )  # fmt: skip
+            )
         exit_code, sig = controller.parse_exit_code(code)
         oom = state == "OUT_OF_MEMORY"
         return Outcome(

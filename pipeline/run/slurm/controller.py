@@ -87,9 +87,14 @@ def controller_unreachable(message: str) -> bool:
     message = message.lower()
     return any(
         words in message
-        for words in ("unable to contact slurm controller", "socket timed out", "connection refused",
-                      "temporarily unavailable", "connection timed out")
-    )  # fmt: skip
+        for words in (
+            "unable to contact slurm controller",
+            "socket timed out",
+            "connection refused",
+            "temporarily unavailable",
+            "connection timed out",
+        )
+    )
 
 
 # -- jobs ---------------------------------------------------------------------------------------

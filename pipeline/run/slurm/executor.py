@@ -57,9 +57,12 @@ class SlurmExecutor:
         largest = max(memory for _, _, memory in controller.nodes_of({partition})) * MIB
         where = f"partition {partition}"
         return Budget(
-            available=largest, mem_total=largest, mem_available=largest, cgroup_version=None,
+            available=largest,
+            mem_total=largest,
+            mem_available=largest,
+            cgroup_version=None,
             binding=f"the largest node in Slurm's {where}; the cluster admits steps by their --mem",
-        )  # fmt: skip
+        )
 
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """The run directory must be one the nodes see: on a shared filesystem, or the nodes are this host."""
@@ -145,8 +148,10 @@ class SlurmExecutor:
                 raise AttemptStillRunning([], where, refused)
             if time.monotonic() >= deadline:
                 raise AttemptStillRunning(
-                    [], where, f"{where} is still {state} {REAP_WAIT_S:.0f} s after scancel and may still "
+                    [],
+                    where,
+                    f"{where} is still {state} {REAP_WAIT_S:.0f} s after scancel and may still "
                     "write its outputs; end it (scancel, or ask the cluster's admins), then run again",
-                )  # fmt: skip
+                )
             time.sleep(grid.POLL_S)
         return 1

@@ -68,17 +68,27 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     options = options_of(launch)
     name = attempt_name(launch.run_id, launch.step, launch.attempt)
     argv = [
-        "sbatch", "--parsable", f"--job-name={name}", f"--chdir={launch.cwd}",
-        f"--output={launch.stdout_path}", f"--error={launch.stderr_path}", "--open-mode=append",
-        f"--mem={math.ceil(launch.limit_bytes / MIB)}M", "--no-requeue",
+        "sbatch",
+        "--parsable",
+        f"--job-name={name}",
+        f"--chdir={launch.cwd}",
+        f"--output={launch.stdout_path}",
+        f"--error={launch.stderr_path}",
+        "--open-mode=append",
+        f"--mem={math.ceil(launch.limit_bytes / MIB)}M",
+        "--no-requeue",
         f"--export={','.join(exported_names(launch, options)) or 'NONE'}",
-    ]  # fmt: skip
+    ]
     if launch.timeout is not None:
         argv.append(f"--time={math.ceil((launch.timeout + TIME_LIMIT_MARGIN_S) / 60)}")
     if launch.gpus:
         argv.append(f"--gres=gpu:{launch.gpus}")
-    for flag, value in (("--partition", options.partition), ("--account", options.account),
-                        ("--nodes", options.nodes), ("--cpus-per-task", options.cpus)):  # fmt: skip
+    for flag, value in (
+        ("--partition", options.partition),
+        ("--account", options.account),
+        ("--nodes", options.nodes),
+        ("--cpus-per-task", options.cpus),
+    ):
         if value is not None:
             argv.append(f"{flag}={value}")
     return [*argv, *options.sbatch_args, str(script)]
@@ -89,10 +99,11 @@ def exported_names(launch: Launch, options: SlurmOptions) -> list[str]:
     runner's environment may pass on (EXPORTED_ENV and the pipeline's ``export``)."""
     patterns = (*EXPORTED_ENV, *options.export)
     return sorted(
-        name for name in launch.env
+        name
+        for name in launch.env
         if not name.startswith("SLURM_")
         and (name in launch.step_env or any(fnmatch.fnmatchcase(name, p) for p in patterns))
-    )  # fmt: skip
+    )
 
 
 def job_env(launch: Launch) -> dict[str, str]:
