@@ -90,9 +90,20 @@ class BuildReport:
 class BuildBroker:
     """Serves the nvcc stand-ins of one build on a Unix socket."""
 
-    def __init__(self, *, nvcc: str, nvcc_version: str, package: str, profile: Profile, budget: int,
-                 cpu_slots: int, run_dir: Path, run_id: str | None = None,
-                 cxx_standard: str | None = None, executor: str = "local") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        nvcc: str,
+        nvcc_version: str,
+        package: str,
+        profile: Profile,
+        budget: int,
+        cpu_slots: int,
+        run_dir: Path,
+        run_id: str | None = None,
+        cxx_standard: str | None = None,
+        executor: str = "local",
+    ) -> None:
         """``executor``: the name of the executor that runs each job, given the build's cgroup as the
         parent of the jobs' own; where no cgroup can be created (inside ``docker build``) jobs run as
         plain process trees instead (``unconfined.py``)."""
@@ -239,10 +250,14 @@ class BuildBroker:
         job.basis = prediction.basis
         if prediction.peak_bytes > self.budget:
             left = self.budget / prediction.expected_bytes if prediction.expected_bytes else None
-            job.basis += (f"; cut to the budget {format_size(self.budget, 'GiB')}"
-                          + (f", {left:.2f}× the expected peak" if left else ""))  # fmt: skip
-        job.watch = (ShapeWatch(prediction.expected_bytes, prediction.shape, self.profile.margin)
-                     if prediction.expected_bytes and prediction.shape else None)  # fmt: skip
+            job.basis += f"; cut to the budget {format_size(self.budget, 'GiB')}" + (
+                f", {left:.2f}× the expected peak" if left else ""
+            )
+        job.watch = (
+            ShapeWatch(prediction.expected_bytes, prediction.shape, self.profile.margin)
+            if prediction.expected_bytes and prediction.shape
+            else None
+        )
         return prediction.peak_bytes
 
     def _watch(self) -> None:
@@ -269,8 +284,10 @@ class BuildBroker:
                     continue
                 job.watch = None  # one shrink: from its peak down to its tail
                 tail = math.ceil(shape_rest / self.profile.margin)
-                reason = (f"peak passed ({format_size(anon, 'GiB')} in use): the rest of its shape needs "
-                          f"{format_size(tail, 'GiB')} × {self.profile.margin} margin")  # fmt: skip
+                reason = (
+                    f"peak passed ({format_size(anon, 'GiB')} in use): the rest of its shape needs "
+                    f"{format_size(tail, 'GiB')} × {self.profile.margin} margin"
+                )
                 if rest > shape_rest:
                     reason += f", held at its cgroup's usage {format_size(rest, 'GiB')} (page cache included)"
                 self.ledger.reserve(attempt_id, rest, tail, reason)
@@ -284,23 +301,28 @@ class BuildBroker:
         scratch = tempfile.mkdtemp(prefix=f"eyrie-nvcc-{stem}-")
         command = [self.nvcc, *with_standard(argv, self.cxx_standard)]
         launch = Launch(
-            run_id=self.run_id, step=job.name, attempt=attempt, argv=command,
-            cwd=Path(request["cwd"]), env={**request["env"], "TMPDIR": scratch}, limit_bytes=job.reservation,
-            stdout_path=logs / f"{stem}.out", stderr_path=logs / f"{stem}.err",
-        )  # fmt: skip
-        meminfo = read_meminfo()
-        attempt_id = self.ledger.begin_attempt(
-            run_id=self.run_id, step=job.name, attempt=attempt, executor=self.executor.name,
-            limit_bytes=job.reservation, limit_reason=job.basis, argv=launch.argv,
-            host_mem_available=meminfo.get("MemAvailable", 0),
-            host_mem_total=meminfo.get("MemTotal", 0), image=None, commit_id=None,
-        )  # fmt: skip
+            run_id=self.run_id,
+            step=job.name,
+            attempt=attempt,
+            argv=command,
+            cwd=Path(request["cwd"]),
+            env={**request["env"], "TMPDIR": scratch},
+            limit_bytes=job.reservation,
+            stdout_path=logs / f"{stem}.out",
+            stderr_path=logs / f"{stem}.err",
+        )
+        attempt_id = self._begin_attempt(launch, job.basis)
         try:
             running = self.executor.start(launch)
         except Exception as exc:
             reason = f"could not start: {exc}"
-            self.ledger.end_attempt(attempt_id, verdict=Verdict.FAILED.value, reason=reason,
-                                    fields={"ended_at": time.time()}, timeline=[])  # fmt: skip
+            self.ledger.end_attempt(
+                attempt_id,
+                verdict=Verdict.FAILED.value,
+                reason=reason,
+                fields={"ended_at": time.time()},
+                timeline=[],
+            )
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         self._running.add(running)
@@ -317,16 +339,12 @@ class BuildBroker:
         complete = outcome.exit_code == 0 and output_file is not None and output_file.is_file()
         decision = decide(outcome, complete, f"{output_file} written" if complete else "no object file")
         self.ledger.end_attempt(
-            attempt_id, verdict=decision.verdict.value, reason=decision.reason,
-            fields={
-                "peak_bytes": outcome.peak_bytes, "anon_peak_bytes": outcome.anon_peak_bytes,
-                "oom_kills": outcome.oom_kills, "oom_kills_before": outcome.oom_kills_before,
-                "oom_kills_after": outcome.oom_kills_after, "oom_at": outcome.oom_at,
-                "exit_code": outcome.exit_code, "signal": outcome.signal,
-                "ended_at": outcome.ended_at, "stderr_tail": json.dumps(outcome.stderr_tail),
-            },
+            attempt_id,
+            verdict=decision.verdict.value,
+            reason=decision.reason,
+            fields=_ledger_fields(outcome),
             timeline=outcome.timeline,
-        )  # fmt: skip
+        )
         with self._lock:
             record.verdicts.append(decision.verdict.value)
             record.reservations.append(launch.limit_bytes)  # what it was admitted with, before any shrink
@@ -335,6 +353,39 @@ class BuildBroker:
             record.exit_code = outcome.exit_code
         output = (_read(launch.stdout_path), _read(launch.stderr_path))
         return outcome, decision, output
+
+    def _begin_attempt(self, launch: Launch, limit_reason: str) -> int:
+        """The ledger's record of an attempt about to start, with the host's memory now; its id."""
+        meminfo = read_meminfo()
+        return self.ledger.begin_attempt(
+            run_id=launch.run_id,
+            step=launch.step,
+            attempt=launch.attempt,
+            executor=self.executor.name,
+            limit_bytes=launch.limit_bytes,
+            limit_reason=limit_reason,
+            argv=launch.argv,
+            host_mem_available=meminfo.get("MemAvailable", 0),
+            host_mem_total=meminfo.get("MemTotal", 0),
+            image=None,
+            commit_id=None,
+        )
+
+
+def _ledger_fields(outcome: Outcome) -> dict[str, object]:
+    """What the ledger keeps of a finished attempt's outcome."""
+    return {
+        "peak_bytes": outcome.peak_bytes,
+        "anon_peak_bytes": outcome.anon_peak_bytes,
+        "oom_kills": outcome.oom_kills,
+        "oom_kills_before": outcome.oom_kills_before,
+        "oom_kills_after": outcome.oom_kills_after,
+        "oom_at": outcome.oom_at,
+        "exit_code": outcome.exit_code,
+        "signal": outcome.signal,
+        "ended_at": outcome.ended_at,
+        "stderr_tail": json.dumps(outcome.stderr_tail),
+    }
 
 
 def _output_of(argv: list[str], cwd: Path) -> Path | None:

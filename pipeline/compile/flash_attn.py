@@ -30,7 +30,7 @@ from pipeline.memory import GIB, Budget, format_size, memory_budget, parse_size
 from pipeline.run.step_contract import atomic_path
 
 if TYPE_CHECKING:
-    from pipeline.compile.broker import BuildReport
+    from pipeline.compile.broker import BuildBroker, BuildReport
 
 FLASH_ATTN_VERSION = "2.8.3"
 """The release built by default: the one whose measured profiles ship (``profiles/``)."""
@@ -95,6 +95,10 @@ class Plan:
         """What profiles key this build's jobs by (see ``JobKey.package``)."""
         return f"flash-attn {self.version}"
 
+    def job_key(self, source: str) -> JobKey:
+        """What profiles know the compile job of ``source`` in this build by."""
+        return JobKey(source, self.archs, self.threads, self.toolchain.nvcc_version, self.package)
+
     @property
     def cache_key(self) -> str:
         cuda = self.toolchain.torch_cuda or "cpu"
@@ -109,10 +113,8 @@ class Plan:
 def gpu_archs(nvidia_smi: str = "nvidia-smi") -> tuple[str, ...]:
     """flash-attn arch codes for this host's GPUs (``nvidia-smi --query-gpu=compute_cap``)."""
     try:
-        out = subprocess.run(
-            [nvidia_smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
+        query = [nvidia_smi, "--query-gpu=compute_cap", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
     except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         raise BuildError(
             f"--archs auto needs the host's GPUs, but `{nvidia_smi} --query-gpu=compute_cap` "
@@ -130,8 +132,10 @@ def archs_for_compute_caps(caps: list[str]) -> tuple[str, ...]:
             continue
         code = {8: "80", 9: "90", 10: "100", 11: "100", 12: "120"}.get(int(major))
         if code is None:
-            raise BuildError(f"GPU compute capability {cap} has no flash-attn 2 build; its archs: "
-                             f"{';'.join(FLASH_ATTN_ARCHS)}")  # fmt: skip
+            raise BuildError(
+                f"GPU compute capability {cap} has no flash-attn 2 build; its archs: "
+                f"{';'.join(FLASH_ATTN_ARCHS)}"
+            )
         archs.add(code)
     if not archs:
         raise BuildError("nvidia-smi listed no GPU; pass the archs, e.g. --archs '100;120'")
@@ -153,11 +157,11 @@ def toolchain(python: str, cuda_home: str | None) -> Toolchain:
     nvcc = home / "bin" / "nvcc"
     if not nvcc.is_file():
         raise BuildError(f"no nvcc at {nvcc}: install a CUDA toolkit or pass --cuda-home (or CUDA_HOME)")
-    probe = subprocess.run(
-        [python, "-c", "import json, sys, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
-                       "'%d.%d' % sys.version_info[:2]]))"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    script = (
+        "import json, sys, torch; "
+        "print(json.dumps([torch.__version__, torch.version.cuda, '%d.%d' % sys.version_info[:2]]))"
+    )
+    probe = subprocess.run([python, "-c", script], capture_output=True, text=True)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise BuildError(
@@ -204,7 +208,7 @@ def resolve_budget(text: str, headroom: int, has: Budget | None = None) -> tuple
         if budget > has.available:
             raise BuildError(
                 f"--budget {text!r} is more than this process has: {available}; pass at most "
-                f"{max(0, has.available - headroom) / GIB:.1f}GiB (or auto: what it has less "
+                f"{format_size(max(0, has.available - headroom), 'GiB')} (or auto: what it has less "
                 f"{format_size(headroom, 'GiB')} headroom), or free memory first"
             )
         warnings = []
@@ -235,14 +239,18 @@ def environment_settings(env: Mapping[str, str], threads: str) -> tuple[str, int
     if nvcc_threads is not None:
         if threads == "auto":
             threads = str(nvcc_threads)
-            notes.append(f"NVCC_THREADS={nvcc_threads} (environment): nvcc --threads {nvcc_threads}; "
-                         "pass --threads to choose otherwise")  # fmt: skip
+            notes.append(
+                f"NVCC_THREADS={nvcc_threads} (environment): nvcc --threads {nvcc_threads}; "
+                "pass --threads to choose otherwise"
+            )
         elif threads != str(nvcc_threads):
             notes.append(f"--threads {threads} given: NVCC_THREADS={nvcc_threads} (environment) is not used")
     if max_jobs is not None:
-        notes.append(f"MAX_JOBS={max_jobs} (environment): at most {max_jobs} nvcc jobs at once, each "
-                     "admitted by its predicted memory; setup.py's own MAX_JOBS is how many eyrie "
-                     "is offered at once")  # fmt: skip
+        notes.append(
+            f"MAX_JOBS={max_jobs} (environment): at most {max_jobs} nvcc jobs at once, each "
+            "admitted by its predicted memory; setup.py's own MAX_JOBS is how many eyrie "
+            "is offered at once"
+        )
     return threads, max_jobs, notes
 
 
@@ -265,16 +273,16 @@ def fetch_sdist(version: str, into: Path, python: str) -> Path:
     with tempfile.TemporaryDirectory(dir=into) as tmp:
         # Preparing metadata runs setup.py: skip its CUDA part so it needs neither nvcc nor a GPU.
         env = {**os.environ, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}
-        done = subprocess.run(
-            [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--no-build-isolation", f"flash-attn=={version}", "-d", tmp],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
+        command = [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        command += ["--no-build-isolation", f"flash-attn=={version}", "-d", tmp]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
         archives = list(Path(tmp).glob("flash_attn-*.tar.gz"))
         if done.returncode != 0 or not archives:
-            raise BuildError(f"could not download the flash-attn {version} sdist from PyPI: "
-                             f"{(done.stderr.strip().splitlines() or ['no archive'])[-1]}; "
-                             "pass --source DIR with an unpacked flash-attn source tree")  # fmt: skip
+            raise BuildError(
+                f"could not download the flash-attn {version} sdist from PyPI: "
+                f"{(done.stderr.strip().splitlines() or ['no archive'])[-1]}; "
+                "pass --source DIR with an unpacked flash-attn source tree"
+            )
         with tarfile.open(archives[0]) as tar:
             tar.extractall(tmp, filter="data")
         shutil.move(str(Path(tmp) / f"flash_attn-{version}"), target)
@@ -286,8 +294,10 @@ def source_version(source: Path) -> str:
     text = init.read_text(encoding="utf-8") if init.is_file() else ""
     match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
     if not match or not (source / "setup.py").is_file():
-        raise BuildError(f"{source} is not a flash-attn source tree (no setup.py, or no __version__ in "
-                         "flash_attn/__init__.py): pass --source an unpacked flash-attn sdist")  # fmt: skip
+        raise BuildError(
+            f"{source} is not a flash-attn source tree (no setup.py, or no __version__ in "
+            "flash_attn/__init__.py): pass --source an unpacked flash-attn sdist"
+        )
     return match.group(1)
 
 
@@ -314,8 +324,7 @@ def check_budget(plan: Plan, profile: Profile, sources: list[str]) -> list[str]:
     """
     worst, worst_file, cut = 0, "", []
     for name in sources:
-        prediction = profile.predict(JobKey(name, plan.archs, plan.threads, plan.toolchain.nvcc_version,
-                                            plan.package))  # fmt: skip
+        prediction = profile.predict(plan.job_key(name))
         expected = prediction.expected_bytes
         if expected is None:  # the default guess: a job never measured says nothing yet
             continue
@@ -390,11 +399,29 @@ def write_cxx_shim(run_dir: Path, standard: str) -> Path:
     return shim
 
 
-def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
-              log=print) -> tuple[Path, BuildReport]:  # fmt: skip
-    """Compile and link the wheel; returns its path in the cache and the build's report."""
+def plan_broker(plan: Plan, *, profile: Profile, run_dir: Path, cxx_standard: str | None) -> BuildBroker:
+    """The build broker of ``plan``: its toolchain's nvcc, its package, budget and CPU slots.
+
+    The broker itself knows no ``Plan``: benchmarks drive it over a subset of files without one.
+    """
     from pipeline.compile.broker import BuildBroker  # the ledger, cgroups, executors: only to build
 
+    return BuildBroker(
+        nvcc=str(plan.toolchain.nvcc),
+        nvcc_version=plan.toolchain.nvcc_version,
+        package=plan.package,
+        profile=profile,
+        budget=plan.budget,
+        cpu_slots=plan.cpu_slots,
+        run_dir=run_dir,
+        cxx_standard=cxx_standard,
+    )
+
+
+def run_build(
+    plan: Plan, *, out: Path, run_dir: Path, profile: Profile, log=print
+) -> tuple[Path, BuildReport]:
+    """Compile and link the wheel; returns its path in the cache and the build's report."""
     sources = cuda_sources(plan.source)
     for warning in check_budget(plan, profile, sources):
         log(f"note: {warning}")
@@ -404,56 +431,83 @@ def run_build(plan: Plan, *, out: Path, run_dir: Path, profile: Profile,
     lookahead = len(sources) + 1
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with BuildBroker(
-        nvcc=str(plan.toolchain.nvcc), nvcc_version=plan.toolchain.nvcc_version, package=plan.package,
-        profile=profile,
-        budget=plan.budget, cpu_slots=plan.cpu_slots, run_dir=run_dir, cxx_standard=standard,
-    ) as broker, tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir:  # fmt: skip
-        log(f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
+    with (
+        plan_broker(plan, profile=profile, run_dir=run_dir, cxx_standard=standard) as broker,
+        tempfile.TemporaryDirectory(prefix="eyrie-wheel-") as wheel_dir,
+    ):
+        log(
+            f"building flash-attn {plan.version} for sm {';'.join(plan.archs)}, --threads "
             f"{plan.threads}, budget {format_size(plan.budget, 'GiB')} ({plan.budget_basis}), "
-            f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}")  # fmt: skip
+            f"{len(sources)} nvcc jobs, run {broker.run_id} in {run_dir}; {broker.confinement}"
+        )
         env = build_env(plan, broker.env(), lookahead)
         if standard:
             env["CXX"] = str(write_cxx_shim(run_dir, standard).resolve())  # setup.py runs in the source tree
-            log(f"torch {plan.toolchain.torch}'s headers need {standard}: compiling with -std={standard} "
-                "where flash-attn's setup.py asks for -std=c++17")  # fmt: skip
+            log(
+                f"torch {plan.toolchain.torch}'s headers need {standard}: compiling with -std={standard} "
+                "where flash-attn's setup.py asks for -std=c++17"
+            )
         setup_log = run_dir / "setup.log"
-        with open(setup_log, "w", encoding="utf-8") as fh, Progress(
-            TextColumn("nvcc jobs"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-            TimeElapsedColumn(), transient=False,
-        ) as progress:  # fmt: skip
-            task = progress.add_task("", total=len(sources))
-            setup = subprocess.Popen(
-                [plan.toolchain.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                 "--wheel-dir", wheel_dir, "--verbose", str(plan.source)],
-                env=env, stdout=fh, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            while setup.poll() is None:
-                time.sleep(1)
-                report = broker.report()
-                done_jobs = sum(j.exit_code == 0 for j in report.jobs)
-                reserved = format_size(broker.scheduler.reserved, "GiB")
-                progress.update(task, completed=done_jobs, description=(
-                    f"{reserved} of {format_size(plan.budget, 'GiB')} reserved, "
-                    f"{len(broker.scheduler.running)} running, "
-                    f"{report.oom_kills} OOM-killed and re-run"))  # fmt: skip
+        returncode = _run_setup(plan, broker, env, wheel_dir, setup_log, len(sources))
         report = broker.report()
-        profile.save(run_dir / "profile.json", note=f"measured by run {broker.run_id}",
-                     only_nvcc=plan.toolchain.nvcc_version)  # fmt: skip
+        note = f"measured by run {broker.run_id}"
+        profile.save(run_dir / "profile.json", note=note, only_nvcc=plan.toolchain.nvcc_version)
         wheels = list(Path(wheel_dir).glob("flash_attn-*.whl"))
-        if setup.returncode != 0 or not wheels:
+        if returncode != 0 or not wheels:
             reason = broker.fatal or _last_error(setup_log)
-            raise BuildError(f"the flash-attn build failed: {reason}; full log: {setup_log}; "
-                             f"per-job attempts: eyrie status --run-dir {run_dir}")  # fmt: skip
-        target_dir = out / plan.cache_key
-        with atomic_path(target_dir) as tmp:
-            tmp.mkdir()
-            shutil.copy2(wheels[0], tmp / wheels[0].name)
-            facts = {**asdict(plan), "wall_s": round(time.time() - started, 1),
-                     "oom_kills": report.oom_kills, "jobs": len(report.jobs),
-                     "peak_reserved": report.peak_reserved, "run_id": broker.run_id}  # fmt: skip
-            (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
-    return target_dir / wheels[0].name, report
+            raise BuildError(
+                f"the flash-attn build failed: {reason}; full log: {setup_log}; "
+                f"per-job attempts: eyrie status --run-dir {run_dir}"
+            )
+        wheel = _cache_wheel(plan, wheels[0], out, report, broker.run_id, started)
+    return wheel, report
+
+
+def _run_setup(
+    plan: Plan, broker: BuildBroker, env: dict[str, str], wheel_dir: str, setup_log: Path, jobs: int
+) -> int:
+    """Run setup.py (through ``pip wheel``) to its end, its output into ``setup_log`` and the
+    progress of its ``jobs`` nvcc jobs on the terminal; returns its exit status."""
+    command = [plan.toolchain.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
+    command += ["--wheel-dir", wheel_dir, "--verbose", str(plan.source)]
+    columns = [TextColumn("nvcc jobs"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}")]
+    with (
+        open(setup_log, "w", encoding="utf-8") as fh,
+        Progress(*columns, TimeElapsedColumn(), transient=False) as progress,
+    ):
+        task = progress.add_task("", total=jobs)
+        setup = subprocess.Popen(command, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        while setup.poll() is None:
+            time.sleep(1)
+            report = broker.report()
+            done_jobs = sum(j.exit_code == 0 for j in report.jobs)
+            reserved = format_size(broker.scheduler.reserved, "GiB")
+            description = (
+                f"{reserved} of {format_size(plan.budget, 'GiB')} reserved, "
+                f"{len(broker.scheduler.running)} running, {report.oom_kills} OOM-killed and re-run"
+            )
+            progress.update(task, completed=done_jobs, description=description)
+    return setup.returncode
+
+
+def _cache_wheel(
+    plan: Plan, wheel: Path, out: Path, report: BuildReport, run_id: str, started: float
+) -> Path:
+    """Put the wheel in the cache under the plan's key, beside ``build.json``: the plan and how it built."""
+    target_dir = out / plan.cache_key
+    with atomic_path(target_dir) as tmp:
+        tmp.mkdir()
+        shutil.copy2(wheel, tmp / wheel.name)
+        facts = {
+            **asdict(plan),
+            "wall_s": round(time.time() - started, 1),
+            "oom_kills": report.oom_kills,
+            "jobs": len(report.jobs),
+            "peak_reserved": report.peak_reserved,
+            "run_id": run_id,
+        }
+        (tmp / "build.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
+    return target_dir / wheel.name
 
 
 def cached_wheel(out: Path, plan_key: str) -> Path | None:

@@ -77,6 +77,20 @@ class ProfileEntry:
     """Anonymous memory at 20 evenly spaced moments of the job, as fractions of its peak."""
     samples: int = 1
 
+    @classmethod
+    def measured(cls, key: JobKey, anon_peak_bytes: int, wall_s: float, shape: list[float]) -> ProfileEntry:
+        """The entry of one measurement of the job ``key``: the inverse of ``key``."""
+        return cls(
+            source=key.source,
+            archs=list(key.archs),
+            threads=key.threads,
+            nvcc=key.nvcc,
+            anon_peak_bytes=anon_peak_bytes,
+            wall_s=wall_s,
+            package=key.package,
+            shape=shape,
+        )
+
     @property
     def key(self) -> JobKey:
         return JobKey(self.source, tuple(self.archs), self.threads, self.nvcc, self.package)
@@ -162,8 +176,9 @@ class Profile:
     every copy taken to iterate over, holds the lock.
     """
 
-    def __init__(self, entries: list[ProfileEntry] | None = None, *, default_peak: int,
-                 margin: float = SAFETY_MARGIN) -> None:  # fmt: skip
+    def __init__(
+        self, entries: list[ProfileEntry] | None = None, *, default_peak: int, margin: float = SAFETY_MARGIN
+    ) -> None:
         self.default_peak = default_peak
         self.margin = margin
         self._entries: dict[JobKey, ProfileEntry] = {}
@@ -193,12 +208,12 @@ class Profile:
             self._entries[entry.key] = entry
             self._by_file.setdefault((entry.package, entry.source), {})[entry.key] = entry
 
-    def observe(self, key: JobKey, anon_peak: int, wall_s: float,
-                timeline: list[tuple[float, int, int]] | None = None) -> None:  # fmt: skip
+    def observe(
+        self, key: JobKey, anon_peak: int, wall_s: float, timeline: list[tuple[float, int, int]] | None = None
+    ) -> None:
         """A finished job's real figures: they correct predictions for the rest of the build."""
         config = key.config()
-        entry = ProfileEntry(key.source, list(key.archs), key.threads, key.nvcc, anon_peak,
-                             round(wall_s, 2), key.package, shape=shape_of(timeline or []))  # fmt: skip
+        entry = ProfileEntry.measured(key, anon_peak, round(wall_s, 2), shape_of(timeline or []))
         with self._lock:
             estimate = self._estimate(key)
             if estimate is not None and estimate.derived:
@@ -218,9 +233,12 @@ class Profile:
                 learned = self._learned_max.get(key.config(), 0)
                 if learned * self.margin > self.default_peak:
                     learned_text = format_size(learned, "GiB")
-                    return Prediction(math.ceil(learned * self.margin), None,
-                                      f"unmeasured file: largest peak of this build {learned_text} "
-                                      f"× {self.margin}, above the default")  # fmt: skip
+                    return Prediction(
+                        math.ceil(learned * self.margin),
+                        None,
+                        f"unmeasured file: largest peak of this build {learned_text} "
+                        f"× {self.margin}, above the default",
+                    )
                 default = format_size(self.default_peak, "GiB")
                 return Prediction(self.default_peak, None, f"unmeasured file: default {default}")
             peak, basis = estimate.peak, estimate.basis
@@ -228,24 +246,31 @@ class Profile:
             if estimate.derived and ratio > 1.0:
                 peak = math.ceil(peak * ratio)
                 basis += f" × {ratio:.2f} (this build's finished jobs against such estimates)"
-        return Prediction(math.ceil(peak * self.margin), estimate.wall_s, f"{basis} × {self.margin} margin",
-                          peak, estimate.shape)  # fmt: skip
+        return Prediction(
+            math.ceil(peak * self.margin),
+            estimate.wall_s,
+            f"{basis} × {self.margin} margin",
+            peak,
+            estimate.shape,
+        )
 
     def _estimate(self, key: JobKey) -> _Estimate | None:
         """The job's expected peak from measurements alone (no margin, no ratio); None if none fits."""
         exact = self._entries.get(key)
         if exact is not None:
             measured = format_size(exact.anon_peak_bytes, "GiB")
-            return _Estimate(exact.anon_peak_bytes, exact.wall_s, tuple(exact.shape), f"measured {measured}",
-                             derived=False)  # fmt: skip
+            return _Estimate(
+                exact.anon_peak_bytes, exact.wall_s, tuple(exact.shape), f"measured {measured}", derived=False
+            )
         same_file = list(self._by_file.get((key.package, key.source), {}).values())
         if not same_file:
             return None
         nvcc = min({e.nvcc for e in same_file}, key=lambda v: (_release_distance(v, key.nvcc), v))
         candidates = [e for e in same_file if e.nvcc == nvcc]
         # The nearest configuration: the same archs in flight first, then the larger peak.
-        base = min(candidates, key=lambda e: (abs(e.key.archs_in_flight - key.archs_in_flight),
-                                              -e.anon_peak_bytes))  # fmt: skip
+        base = min(
+            candidates, key=lambda e: (abs(e.key.archs_in_flight - key.archs_in_flight), -e.anon_peak_bytes)
+        )
         factor = key.archs_in_flight / base.key.archs_in_flight
         base_waves = base.key.waves
         if base_waves == 1:
@@ -258,8 +283,13 @@ class Profile:
         basis = f"measured {format_size(base.anon_peak_bytes, 'GiB')} for {', '.join(where)}"
         if factor != 1:
             basis += f", × {factor:g} archs in flight"
-        return _Estimate(math.ceil(base.anon_peak_bytes * factor), base.wall_s * key.waves / base_waves,
-                         shape, basis, derived=True)  # fmt: skip
+        return _Estimate(
+            math.ceil(base.anon_peak_bytes * factor),
+            base.wall_s * key.waves / base_waves,
+            shape,
+            basis,
+            derived=True,
+        )
 
     # -- files --------------------------------------------------------------------------
     @classmethod

@@ -61,9 +61,14 @@ class UnconfinedAttempt:
         self._kills_before = self._kills()
         self.started_at = time.time()
         self.proc = subprocess.Popen(
-            launch.argv, cwd=launch.cwd, env=launch.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+            launch.argv,
+            cwd=launch.cwd,
+            env=launch.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         self.pid: int | None = self.proc.pid
         self._out = LineCapture(self.proc.stdout, launch.stdout_path, "stdout", launch.on_line)
         self._err = LineCapture(self.proc.stderr, launch.stderr_path, "stderr", launch.on_line)
@@ -108,12 +113,20 @@ class UnconfinedAttempt:
         self._out.join(2)
         self._err.join(2)
         return Outcome(
-            exit_code=status if status >= 0 else None, signal=-status if status < 0 else None,
-            oom_kills_before=self._kills_before, oom_kills_after=self._kills_after(status), oom_at=None,
-            peak_bytes=self._peak or None, anon_peak_bytes=self._peak or None,
-            started_at=self.started_at, ended_at=ended_at, timeline=self._timeline,
-            stopped_by=self._stopped_by, stderr_tail=list(self._err.tail), where=self.where,
-        )  # fmt: skip
+            exit_code=status if status >= 0 else None,
+            signal=-status if status < 0 else None,
+            oom_kills_before=self._kills_before,
+            oom_kills_after=self._kills_after(status),
+            oom_at=None,
+            peak_bytes=self._peak or None,
+            anon_peak_bytes=self._peak or None,
+            started_at=self.started_at,
+            ended_at=ended_at,
+            timeline=self._timeline,
+            stopped_by=self._stopped_by,
+            stderr_tail=list(self._err.tail),
+            where=self.where,
+        )
 
     def stop(self, reason: str) -> None:
         """The whole process tree (the job runs in a session of its own): SIGTERM, then SIGKILL."""

@@ -220,24 +220,7 @@ def provision(
     if (host is None) == (inventory is None):
         raise ProvisionError("give exactly one of --host NAME or --inventory FILE")
     data_dir = data_dir.resolve()
-    generated = data_dir / "inventory"
-    generated.mkdir(parents=True, exist_ok=True)
-    # A group_vars link left here by an earlier eyrie would add the site's file at
-    # group_vars precedence, above the user's inventory: it goes.
-    if (generated / "group_vars").is_symlink():
-        (generated / "group_vars").unlink()
-    if host is not None:
-        inventory_path = generated / "host.yml"
-        inventory_path.write_text(yaml.safe_dump(host_inventory(host), sort_keys=False))
-        source = f"--host {host}"
-    else:
-        inventory_path = Path(inventory).resolve()
-        if not inventory_path.exists():
-            raise ProvisionError(f"inventory {inventory} does not exist; copy ansible/inventory/example.yml")
-        source = str(inventory)
-    # The site's variables apply to an inventory run as to a one-host run, wherever the inventory lives.
-    site_path = generated / "site.yml"
-    site_path.write_text(yaml.safe_dump(site_inventory(), sort_keys=False))
+    site_path, inventory_path, source = _write_inventories(data_dir / "inventory", host, inventory)
     playbook = ANSIBLE_DIR / PLAYBOOK
     if not playbook.exists():
         raise ProvisionError(f"playbook {playbook} is missing; set EYRIE_ANSIBLE_DIR to the ansible/ folder")
@@ -271,18 +254,46 @@ def provision(
             event_handler=tally,
             quiet=True,
         )
-    recap: dict[str, dict[str, int]] = {}
-    for key, per_host in (runner.stats or {}).items():
-        if isinstance(per_host, dict):
-            for name, count in per_host.items():
-                recap.setdefault(name, {})[key] = count
     return ProvisionResult(
         status=runner.status,
         rc=runner.rc if runner.rc is not None else 1,
         check=check,
         hosts=tally.hosts,
         failures=tally.failures,
-        recap=recap,
+        recap=_recap(runner.stats),
         artifacts=Path(runner.config.artifact_dir),
         changed_tasks=tally.changed_tasks,
     )
+
+
+def _write_inventories(generated: Path, host: str | None, inventory: Path | None) -> tuple[Path, Path, str]:
+    """The run's inventory sources in ``generated``: the site's variables, then ``--host``'s one-host
+    inventory or the user's ``--inventory`` (checked to exist); and how the command named its hosts."""
+    generated.mkdir(parents=True, exist_ok=True)
+    # A group_vars link left here by an earlier eyrie would add the site's file at
+    # group_vars precedence, above the user's inventory: it goes.
+    if (generated / "group_vars").is_symlink():
+        (generated / "group_vars").unlink()
+    if host is not None:
+        inventory_path = generated / "host.yml"
+        inventory_path.write_text(yaml.safe_dump(host_inventory(host), sort_keys=False))
+        source = f"--host {host}"
+    else:
+        inventory_path = Path(inventory).resolve()
+        if not inventory_path.exists():
+            raise ProvisionError(f"inventory {inventory} does not exist; copy ansible/inventory/example.yml")
+        source = str(inventory)
+    # The site's variables apply to an inventory run as to a one-host run, wherever the inventory lives.
+    site_path = generated / "site.yml"
+    site_path.write_text(yaml.safe_dump(site_inventory(), sort_keys=False))
+    return site_path, inventory_path, source
+
+
+def _recap(stats: dict[str, Any] | None) -> dict[str, dict[str, int]]:
+    """ansible-runner's play recap (count name -> host -> count) turned to host -> count name -> count."""
+    recap: dict[str, dict[str, int]] = {}
+    for key, per_host in (stats or {}).items():
+        if isinstance(per_host, dict):
+            for name, count in per_host.items():
+                recap.setdefault(name, {})[key] = count
+    return recap

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,6 +20,7 @@ from pipeline.compile.flash_attn import (
     cuda_sources,
     gpu_archs,
     parse_archs,
+    plan_broker,
     source_version,
     toolchain,
 )
@@ -148,7 +150,7 @@ def test_an_explicit_budget_is_checked_against_what_the_process_really_has() -> 
         resolve_budget("64GiB", 2 * GiB, has)
     message = str(refused.value)
     assert "--budget '64GiB' is more than this process has: 20.00 GiB (bound by cgroup" in message
-    assert "pass at most 18.0GiB" in message and "\n" not in message
+    assert "pass at most 18.00 GiB (or auto" in message and "\n" not in message
 
 
 def test_max_jobs_and_nvcc_threads_from_the_environment_are_used_and_said() -> None:
@@ -203,3 +205,16 @@ def test_broker_raises_the_standard_of_nvcc_commands() -> None:
     argv = ["-O3", "-std=c++17", "-c", "a.cu"]
     assert with_standard(argv, "c++20") == ["-O3", "-std=c++20", "-c", "a.cu"]
     assert with_standard(argv, None) == argv
+
+
+def test_the_broker_of_a_plan_runs_its_nvcc_for_its_package_within_its_budget(tmp_path: Path) -> None:
+    build = plan(tmp_path, 16 * GiB)
+    profile = Profile([], default_peak=GiB)
+    broker = plan_broker(build, profile=profile, run_dir=tmp_path, cxx_standard="c++20")
+    try:
+        assert broker.nvcc == "/usr/local/cuda-13.0/bin/nvcc" and broker.nvcc_version == "13.0"
+        assert broker.package == "flash-attn 2.8.3" and broker.cxx_standard == "c++20"
+        assert broker.budget == broker.scheduler.budget == 16 * GiB and broker.scheduler.cpu_slots == 2
+    finally:  # never started: only its ledger and socket folder exist
+        broker.ledger.close()
+        os.rmdir(broker._socket_dir)
