@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
 from benchmarks.train_gpu import draft_flops_per_token
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
-from pipeline.steps.train.train import TrainConfig, train
+from pipeline.steps.train.loop import TrainConfig, train
 
 TARGETS = {
     "dense-8b": LlamaConfig(

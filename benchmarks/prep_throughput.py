@@ -60,7 +60,7 @@ def write_workload(path: Path, copies: int, lengthen: int = 1) -> int:
 
 
 def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[float, int, int]:
-    from pipeline.steps.tokenize.tokenize import BATCH, Tokenizer, _render, parse_conversation, read_lines
+    from pipeline.steps.tokenize.run import BATCH, Tokenizer, _render, parse_conversation, read_lines
 
     encoder = Tokenizer(folder, template)
     texts = [
@@ -77,14 +77,14 @@ def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[fl
 
 
 def ours(catalog: Path, folder: Path, template: str, work: Path, workers: int | None) -> tuple[float, Path]:
-    from pipeline.steps.prep.prep import prep
-    from pipeline.steps.tokenize.tokenize import tokenize
+    from pipeline.steps.prep.run import run_prep
+    from pipeline.steps.tokenize.run import run_tokenize
 
     prep_dir, tok_dir = work / "prep", work / "tokenize"
     started = time.perf_counter()
-    assert prep(catalog, prep_dir) == 0
+    assert run_prep(catalog, prep_dir) == 0
     assert (
-        tokenize(
+        run_tokenize(
             folder,
             [prep_dir / "native.jsonl"],
             [],

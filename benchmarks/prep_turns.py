@@ -52,7 +52,7 @@ def conversations(turns: int, count: int, source: list[tuple[dict, dict]]) -> li
 
 
 def time_encode(encoder, batch: list, repeats: int) -> tuple[float, int]:
-    from pipeline.steps.tokenize.tokenize import BATCH
+    from pipeline.steps.tokenize.run import BATCH
 
     times, tokens = [], 0
     for _ in range(repeats):
@@ -67,7 +67,7 @@ def time_encode(encoder, batch: list, repeats: int) -> tuple[float, int]:
 
 def time_reference(encoder, batch: list) -> tuple[float, int]:
     """Per-turn prefix tokenization: the quadratic method the incident's prep used."""
-    from pipeline.steps.tokenize.tokenize import _render
+    from pipeline.steps.tokenize.run import _render
 
     started, tokens = time.perf_counter(), 0
     for messages, tools in batch:
@@ -82,7 +82,7 @@ def time_reference(encoder, batch: list) -> tuple[float, int]:
 
 
 def main() -> None:
-    from pipeline.steps.tokenize.tokenize import Tokenizer
+    from pipeline.steps.tokenize.run import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=400_000, help="about this many tokens per size")

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
 from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
+from pipeline.steps.train.loop import TrainConfig, simulated_acceptance, train
 
 
 def measure(cfg: TrainConfig, eval_prompts: int, max_new_tokens: int = 64) -> dict:

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.train import DraftLoss
+from pipeline.steps.train.loop import DraftLoss
 
 
 def draft_flops_per_token(config: LlamaConfig, steps: int, seq: int) -> float:

@@ -113,7 +113,7 @@ def _load(way: str, shards: Path, mapped: Path):
 
 def child(way: str, shards: Path, mapped: Path, batch_size: int) -> None:
     """One rank: load, build an epoch of batches, report; then hold the rows until stdin closes."""
-    import pipeline.steps.train.train  # noqa: F401  (what a training process imports)
+    import pipeline.steps.train.loop  # noqa: F401  (what a training process imports)
     from pipeline.steps.train.data import batch_at, collate, steps_per_epoch
 
     # The same way over a small shard first: what the first use of a module or an allocator costs

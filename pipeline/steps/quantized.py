@@ -400,9 +400,14 @@ def _dequantized(
 
 
 def load_held(
-    model: nn.Module, folder: Path, prefix: str, dtype: torch.dtype, device_map: dict[str, str] | None,
-    config: Any, default_device: str = "cpu",
-) -> nn.Module:  # fmt: skip
+    model: nn.Module,
+    folder: Path,
+    prefix: str,
+    dtype: torch.dtype,
+    device_map: dict[str, str] | None,
+    config: Any,
+    default_device: str = "cpu",
+) -> nn.Module:
     """Fill ``model`` (its parameters on the meta device, its buffers real) from the checkpoint in
     ``folder``, each tensor straight onto the device ``device_map`` gives its module: dense tensors
     at ``dtype``, packed ones as stored (a packed tensor the model holds dense is dequantized as it

@@ -73,8 +73,8 @@ def transformers_serve(
         raise ServeError(f"{model_dir} is not a model folder (no config.json): build the target first")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [*_transformers_cli(), "serve", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    argv = [*_transformers_cli(), "serve", str(model_dir)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if continuous_batching:
         # Without a fixed size the paged KV cache is sized from the host's memory (measured:
         # 14 GiB resident for the tiny target, 28 s before the first answer); 512 blocks of
@@ -98,9 +98,14 @@ def running_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
     try:
         _wait_healthy(name, process, url, log_path, startup_timeout_s)
         yield

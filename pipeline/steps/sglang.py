@@ -108,8 +108,8 @@ def server_argv(
     speculation: Speculation | None = None,
 ) -> list[str]:
     """``python -m sglang.launch_server`` for ``model`` on 127.0.0.1, with or without a draft."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp)]  # fmt: skip
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     argv += parsers.argv()
@@ -126,13 +126,20 @@ def server_argv(
 
 @contextlib.contextmanager
 def sglang_server(
-    model: str, log_path: Path, *, tp: int, trust_remote_code: bool, parsers: Parsers,
-    speculation: Speculation | None, startup_timeout_s: float,
-) -> Iterator[str]:  # fmt: skip
+    model: str,
+    log_path: Path,
+    *,
+    tp: int,
+    trust_remote_code: bool,
+    parsers: Parsers,
+    speculation: Speculation | None,
+    startup_timeout_s: float,
+) -> Iterator[str]:
     """An SGLang server for the block's duration, a child of the step; yields its base URL."""
     port = free_port()
-    argv = server_argv(model, port=port, tp=tp, trust_remote_code=trust_remote_code, parsers=parsers,
-                       speculation=speculation)  # fmt: skip
+    argv = server_argv(
+        model, port=port, tp=tp, trust_remote_code=trust_remote_code, parsers=parsers, speculation=speculation
+    )
     url = f"http://127.0.0.1:{port}"
     with running_server("sglang", argv, dict(os.environ), url, log_path, startup_timeout_s):
         yield url
@@ -248,9 +255,13 @@ def _read_record(path: Path) -> dict | None:
 
 @contextlib.contextmanager
 def gpus_released(
-    url: str | None, step_dir: Path, *, timeout_s: float = 600, retry: Retry | None = None,
+    url: str | None,
+    step_dir: Path,
+    *,
+    timeout_s: float = 600,
+    retry: Retry | None = None,
     say: Callable[[str], None] = _say,
-) -> Iterator[None]:  # fmt: skip
+) -> Iterator[None]:
     """The SGLang server at ``url`` gives back its GPU memory (weights, KV cache, CUDA graphs)
     for the block's duration, and takes it again afterwards; ``None``: nothing to release.
 

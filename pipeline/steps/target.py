@@ -176,9 +176,14 @@ def language_model(
 
 
 def load_model(
-    target: str | Path, *, dtype: Any, trust_remote_code: bool, option: str = "--target",
-    device_map: dict[str, str] | None = None, dequantize: bool = False,
-):  # fmt: skip
+    target: str | Path,
+    *,
+    dtype: Any,
+    trust_remote_code: bool,
+    option: str = "--target",
+    device_map: dict[str, str] | None = None,
+    dequantize: bool = False,
+):
     """The target's causal language model (weights from its folder, or the hub's cache).
 
     With a ``device_map`` each module loads straight onto its device (several devices are joined by

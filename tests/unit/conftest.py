@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.steps.prep.catalog import load_catalog
-from pipeline.steps.prep.prep import prep
+from pipeline.steps.prep.run import run_prep
 from pipeline.steps.prep.sources import part_records, prepare_source
-from pipeline.steps.tokenize.tokenize import KIMI_K2_SPECIAL_TOKENS
+from pipeline.steps.tokenize.run import KIMI_K2_SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,7 @@ def unmarked_template(tmp_path_factory) -> Path:
 def prepped(tmp_path_factory) -> Path:
     """``eyrie prep --offline`` on the default catalog, once per session."""
     out = tmp_path_factory.mktemp("prep")
-    assert prep(None, out, offline=True) == 0
+    assert run_prep(None, out, offline=True) == 0
     return out
 
 

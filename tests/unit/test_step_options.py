@@ -10,16 +10,28 @@ import inspect
 import pytest
 import typer
 import yaml
+from pydantic import BaseModel
 from typer.core import TyperGroup
 from typer.testing import CliRunner
 
 import pipeline.cli
 from pipeline.cli import STEP_COMMANDS, app
-from pipeline.steps.generate.config import GenerateConfig
+from pipeline.steps.accept.config import AcceptConfig
+from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
+from pipeline.steps.prep.config import PrepConfig
+from pipeline.steps.tokenize.config import TokenizeConfig
 from pipeline.steps.train import cli as train_cli
 from pipeline.steps.train.config import TrainConfig
 
 EYRIE = typer.main.get_command(app)
+SETTINGS = {
+    "prep": PrepConfig,
+    "generate": GenerateSettings,
+    "tokenize": TokenizeConfig,
+    "train": TrainConfig,
+    "accept": AcceptConfig,
+}
+"""Each step command's settings model: its options are the model's fields."""
 
 
 def command(*path: str):
@@ -89,17 +101,61 @@ def test_an_option_whose_default_help_shows_does_not_state_it_again():
                 assert "default" not in param.help.lower(), (path, param.name, param.help)
 
 
-def test_every_training_setting_is_an_option_with_the_settings_default_and_help():
-    train = options(command("train"))
-    for name, field in TrainConfig.model_fields.items():
-        if name in ("trust_remote_code", "release_target"):
-            continue  # permissions the command grants (shared with the other steps), checked below
-        option = train[name]
-        default = None if field.is_required() else field.get_default()
+def settings_fields(model: type[BaseModel]):
+    """(name, field) of every setting of ``model``; a group's (a field whose type is a model) in its place."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from field.annotation.model_fields.items()
+        else:
+            yield name, field
+
+
+def declared_by(path: str) -> set[str]:
+    """The options a step's command declares itself (shared ones, its inputs), not its model's."""
+    return set(inspect.signature(inspect.unwrap(command(path).callback)).parameters) - {"settings"}
+
+
+def test_every_step_command_has_a_settings_model():
+    assert set(SETTINGS) == set(STEP_COMMANDS) - {"build"}
+
+
+@pytest.mark.parametrize("step", list(SETTINGS))
+def test_every_setting_is_an_option_with_the_fields_default_and_help(step):
+    found = options(command(step))
+    own = declared_by(step)
+    settings = [(name, field) for name, field in settings_fields(SETTINGS[step]) if name not in own]
+    assert len(settings) >= 5
+    for name, field in settings:
+        option = found[name]
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
         if isinstance(default, list):
             default = ",".join(map(str, default))
-        assert (option.required, option.default) == (field.is_required(), default), name
-        assert option.help == field.description, name
+        assert (option.required, option.default) == (field.is_required(), default), (step, name)
+        assert field.description and option.help == field.description, (step, name)
+    # Every other option is one the command declares itself: nothing is stated in two places.
+    assert set(found) - {name for name, _ in settings} == own - {"ctx"}, step
+
+
+# Each step's flags as they were when every step stated its own: pipelines and scripts use them.
+FLAGS = {
+    "prep": "--catalog --offline --online --quota --out-dir --seed --workers --worker-memory",
+    "generate": "--url --serve --continuous-batching --no-continuous-batching --model --mode --concurrency "
+    "--temperature --top-p --max-tokens --seed --chat-template-kwargs --drop-truncated --no-drop-truncated "
+    "--retry-errors --no-retry-errors --restart --no-restart --max-retries --retry-base --max-error-rate "
+    "--error-window --request-timeout --health-timeout --api-key-env --api-key-file --limit --out-dir",
+    "tokenize": "--tokenizer --conversations --tokenized --chat-template --max-length --shard-rows --out-dir "
+    "--workers --worker-memory --trust-remote-code",
+    "accept": "--draft --target --data --engine --num-steps --topk --num-draft-tokens --heldout-fraction "
+    "--max-length --prompts --max-new-tokens --concurrency --tp --startup-timeout --request-timeout "
+    "--trust-remote-code --reasoning-parser --tool-call-parser --release-target --out-dir",
+}
+
+
+@pytest.mark.parametrize("step", list(FLAGS))
+def test_a_step_keeps_its_flags(step):
+    flags = [flag for p in command(step).params if p.param_type_name == "option" for flag in
+             (*p.opts, *p.secondary_opts)]  # fmt: skip
+    assert sorted(flags) == sorted(FLAGS[step].split())
 
 
 def settings_of(train_command: inspect.BoundArguments) -> TrainConfig:
@@ -139,14 +195,48 @@ def test_generate_with_no_options_runs_the_configs_defaults(monkeypatch, tmp_pat
     _, calls = implementation(monkeypatch, "pipeline.steps.generate.driver", "generate")
     prompts = tmp_path / "prompts.jsonl"
     invoke("generate", str(prompts), "--url", "http://target:30000", "--out-dir", str(tmp_path))
-    assert calls[0].arguments["config"] == GenerateConfig(prompts, tmp_path, ["http://target:30000"])
+    expected = GenerateConfig(prompts=prompts, out_dir=tmp_path, urls=["http://target:30000"])
+    assert calls[0].arguments["config"] == expected
+    assert expected.request_timeout_s == expected.health_timeout_s == 600  # "10m", read as the model reads it
+
+
+def test_generate_options_given_reach_the_config(monkeypatch, tmp_path):
+    monkeypatch.delenv("EYRIE_GENERATE_RESTART", raising=False)
+    _, calls = implementation(monkeypatch, "pipeline.steps.generate.driver", "generate")
+    invoke("generate", str(tmp_path / "p.jsonl"), "--url", "http://target:30000", "--out-dir", str(tmp_path),
+           "--temperature", "0", "--max-tokens", "64", "--retry-base", "2", "--health-timeout", "1h30m",
+           "--chat-template-kwargs", '{"enable_thinking": true}', "--drop-truncated")  # fmt: skip
+    config = calls[0].arguments["config"]
+    assert (config.sampling.temperature, config.sampling.max_tokens, config.sampling.top_p) == (0, 64, 1.0)
+    assert (config.retry.base_s, config.retry.max_retries, config.health_timeout_s) == (2, 6, 5400)
+    assert config.chat_template_kwargs == {"enable_thinking": True} and config.drop_truncated
+
+
+def test_prep_and_tokenize_with_no_options_run_their_models_defaults(monkeypatch):
+    _, calls = implementation(monkeypatch, "pipeline.steps.prep.run", "run_prep")
+    invoke("prep")
+    assert calls[0].args == (None, None) and calls[0].kwargs == PrepConfig().model_dump()
+    assert PrepConfig().quota is None  # 0: the catalog's own quotas
+    _, calls = implementation(monkeypatch, "pipeline.steps.tokenize.run", "run_tokenize")
+    invoke("tokenize", "--tokenizer", "model")
+    assert calls[0].args == ("model", [], [], None)
+    assert calls[0].kwargs == {**TokenizeConfig().model_dump(), "trust_remote_code": False}
+
+
+def test_accept_with_no_options_runs_its_models_defaults(monkeypatch):
+    _, calls = implementation(monkeypatch, "pipeline.steps.accept.measure", "run_accept")
+    invoke("accept", "--draft", "d", "--target", "t", "--data", "x")
+    config = AcceptConfig(draft="d", target="t", data="x")
+    assert calls[0].arguments["settings"] == config.settings(trust_remote_code=False, release_target=None)
+    assert calls[0].arguments["out_dir"] is None
+    assert (config.startup_timeout_s, config.request_timeout_s) == (3600, 600)
 
 
 @pytest.mark.parametrize(
     ("step", "module", "function", "required"),
     [
-        ("prep", "pipeline.steps.prep.prep", "prep", []),
-        ("tokenize", "pipeline.steps.tokenize.tokenize", "tokenize", ["--tokenizer", "model"]),
+        ("prep", "pipeline.steps.prep.run", "run_prep", []),
+        ("tokenize", "pipeline.steps.tokenize.run", "run_tokenize", ["--tokenizer", "model"]),
     ],
 )
 def test_a_step_run_with_no_options_gets_its_functions_defaults(monkeypatch, step, module, function,
@@ -163,6 +253,38 @@ def test_accept_reads_the_rows_training_held_out_with_trainings_defaults():
     accept = options(command("accept"))
     for name in ("heldout_fraction", "max_length"):
         assert accept[name].default == TrainConfig.model_fields[name].default
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (("prep", "--quota", "-1"), "--quota: Input should be greater than or equal to 0, got -1"),
+        (("generate", "p.jsonl", "--url", "http://target:30000", "--max-error-rate", "1.5"),
+         "--max-error-rate: Input should be less than or equal to 1, got 1.5"),
+        (("generate", "p.jsonl", "--url", "http://target:30000", "--top-p", "0"),
+         "--top-p: Input should be greater than 0, got 0.0"),
+        (("tokenize", "--tokenizer", "model", "--workers", "0"),
+         "--workers: Input should be greater than or equal to 1, got 0"),
+        (("train", "--data", "shards", "--target", "model", "--batch-size", "0"),
+         "--batch-size: batch_size: Input should be greater than or equal to 1, got 0"),
+        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--prompts", "0"),
+         "--prompts: Input should be greater than or equal to 1, got 0"),
+        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--num-steps", "x"),
+         "--num-steps: Input should be a valid integer, unable to parse string as an integer, got 'x'"),
+        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--tp", "0"),
+         "--tp 0: SGLang spans at least one GPU"),
+    ],
+)  # fmt: skip
+def test_a_value_out_of_range_is_one_line_naming_its_option_and_exit_2(monkeypatch, tmp_path, args, line):
+    monkeypatch.setenv("EYRIE_STEP_DIR", str(tmp_path))
+    steps = [("pipeline.steps.prep.run", "run_prep"), ("pipeline.steps.tokenize.run", "run_tokenize"),
+             ("pipeline.steps.generate.driver", "generate"), ("pipeline.steps.accept.measure", "run_accept"),
+             ("pipeline.steps.train.cli", "check_inputs")]  # fmt: skip
+    calls = [implementation(monkeypatch, module, name)[1] for module, name in steps]
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {line}"
+    assert calls == [[]] * len(steps)  # nothing ran
 
 
 def test_the_build_runs_with_the_release_whose_profiles_ship():

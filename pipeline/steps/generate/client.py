@@ -177,12 +177,17 @@ class ChatClient:
     async def __aenter__(self) -> ChatClient:
         # One connection per request in flight per server; keep-alive reuses them.
         connector = aiohttp.TCPConnector(
-            limit=self._concurrency * len(self.servers), limit_per_host=self._concurrency,
-            ttl_dns_cache=None, enable_cleanup_closed=True,
-        )  # fmt: skip
+            limit=self._concurrency * len(self.servers),
+            limit_per_host=self._concurrency,
+            ttl_dns_cache=None,
+            enable_cleanup_closed=True,
+        )
         self._session = aiohttp.ClientSession(
-            connector=connector, headers=self._headers, timeout=self._timeout, raise_for_status=False,
-        )  # fmt: skip
+            connector=connector,
+            headers=self._headers,
+            timeout=self._timeout,
+            raise_for_status=False,
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -372,8 +377,11 @@ class ChatClient:
             except aiohttp.ClientConnectorError as exc:
                 kind = "connect"
                 server.last_error = f"connection refused: {exc.os_error}"
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                    aiohttp.ClientPayloadError) as exc:  # fmt: skip
+            except (
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+                aiohttp.ClientPayloadError,
+            ) as exc:
                 kind = "disconnected"
                 server.last_error = f"{type(exc).__name__}: {exc}"
             except TimeoutError:

@@ -1,24 +1,52 @@
-"""The generation step's settings and their defaults: what ``eyrie generate``'s options show and
-what the driver runs with (``cli.py`` reads each default here)."""
+"""The generation step's settings and their defaults: ``GenerateSettings`` are ``eyrie generate``'s
+options, with these names (``cli.py`` derives them from here); ``GenerateConfig`` is what the driver
+runs with, those settings and where the rows come from and go."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pipeline.steps.generate.conversation import Mode
+from pipeline.steps.options import Cli, Duration
 from pipeline.steps.retry import Retry
 
 
-@dataclass
-class Sampling:
+def _json_object(value: object) -> object:
+    """A JSON object given as text (the command line's) read; none for empty text."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        return None
+    try:
+        value = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object, e.g. '{\"enable_thinking\": true}'")
+    return value
+
+
+JsonObject = Annotated[dict[str, Any] | None, BeforeValidator(_json_object), Cli(written=json.dumps)]
+"""A JSON object, written as its JSON text on the command line."""
+
+
+class Sampling(BaseModel):
     """What each request asks the server for (recorded with the rows: a rerun must ask the same)."""
 
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_tokens: int = 2048
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    temperature: float = Field(0.7, ge=0)
+    """Sampling temperature (0: greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens with this much probability."""
+    max_tokens: int = Field(2048, ge=1)
+    """Tokens at most in each answer (see --drop-truncated)."""
     seed: int | None = None
+    """Base seed; each row's seed derives from its id."""
 
     @property
     def repeatable(self) -> bool:
@@ -26,26 +54,55 @@ class Sampling:
         return self.temperature == 0 or self.seed is not None
 
 
-@dataclass
-class GenerateConfig:
+class GenerateSettings(BaseModel):
+    """``eyrie generate``'s settings (``sampling``'s fields are options of their own)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str | None = None
+    """Model name (default: the server's first)."""
+    mode: Mode = "last_turn"
+    """last_turn or all_turns."""
+    concurrency: int = Field(32, ge=1)
+    """Requests in flight per server."""
+    sampling: Sampling = Field(default_factory=Sampling)
+    """What each request asks for."""
+    chat_template_kwargs: JsonObject = None
+    """JSON, e.g. '{"enable_thinking": true}'."""
+    drop_truncated: bool = False
+    """Put rows cut by max_tokens in errors.jsonl instead."""
+    retry_errors: bool = False
+    """Ask the ids in errors.jsonl again."""
+    restart: Annotated[bool, Cli(envvar="EYRIE_GENERATE_RESTART")] = False
+    """Move earlier rows aside (restarted/) and start over (in a pipeline: the variable, once)."""
+    max_retries: int = Field(Retry.max_retries, ge=0)
+    """Retries of a transient error while the server is up."""
+    retry_base: float = Field(Retry.base_s, ge=0)
+    """First backoff, seconds (doubles)."""
+    max_error_rate: float = Field(0.5, ge=0, le=1)
+    """Stop when this share of the last --error-window rows failed (1: never)."""
+    error_window: int = Field(200, ge=1)
+    """Rows the error rate is taken over."""
+    request_timeout_s: Annotated[Duration, Cli(flags="--request-timeout")] = "10m"
+    """Give up on one request after this long (then retried)."""
+    health_timeout_s: Annotated[Duration, Cli(flags="--health-timeout")] = "10m"
+    """Wait this long for a server to answer /health: at start and in an outage."""
+    limit: int | None = None
+    """Only the first N prompts."""
+
+    @property
+    def retry(self) -> Retry:
+        """How a request that failed transiently is sent again."""
+        return Retry(max_retries=self.max_retries, base_s=self.retry_base)
+
+
+class GenerateConfig(GenerateSettings):
+    """What the driver runs with: the settings, the prompts, the output folder and the servers."""
+
     prompts: Path
     out_dir: Path
     urls: list[str]
-    model: str | None = None
-    mode: Mode = "last_turn"
-    concurrency: int = 32
-    sampling: Sampling = field(default_factory=Sampling)
-    chat_template_kwargs: dict[str, Any] | None = None
-    drop_truncated: bool = False
-    retry_errors: bool = False
-    restart: bool = False
-    request_timeout_s: float = 600.0
-    health_timeout_s: float = 600.0
-    """How long to wait for a server to answer ``/health``: at the start, and whenever it stops."""
-    retry: Retry = field(default_factory=Retry)
-    max_error_rate: float = 0.5
-    error_window: int = 200
-    api_key: str | None = None
+    api_key: str | None = Field(None, repr=False)
+    """Sent as the bearer token; never printed or stored."""
     flush_rows: int = 512
     flush_interval_s: float = 1.0
-    limit: int | None = None

@@ -31,8 +31,12 @@ class PromptError(ValueError):
 def clean_message(message: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI-format message: known keys only, tool calls and tool results kept as they are."""
     if not isinstance(message, dict) or message.get("role") not in (
-        "system", "user", "assistant", "tool", "developer",
-    ):  # fmt: skip
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "developer",
+    ):
         raise PromptError(f"message with unknown role: {str(message)[:120]}")
     return {k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None}
 

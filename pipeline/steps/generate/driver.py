@@ -30,7 +30,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -56,6 +56,7 @@ from pipeline.run.step_contract import (
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,
+    Counters,
     HealthTimeout,
     PermanentError,
     RetriesExhausted,
@@ -145,7 +146,7 @@ def settings_of(config: GenerateConfig, model: str) -> dict[str, Any]:
     return {
         "model": model,
         "mode": config.mode,
-        "sampling": asdict(config.sampling),
+        "sampling": config.sampling.model_dump(),
         "chat_template_kwargs": config.chat_template_kwargs,
         "drop_truncated": config.drop_truncated,
     }
@@ -478,25 +479,39 @@ class Generation:
 
     async def _progress(self, total: int, already: int, console: Console) -> None:
         columns = [
-            TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[rps]:>7.1f} req/s"), TextColumn("{task.fields[tps]:>8.0f} tok/s"),
-            TextColumn("errors {task.fields[errors]}"), TextColumn("unanswered {task.fields[unanswered]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        ]  # fmt: skip
+            TextColumn("generate"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rps]:>7.1f} req/s"),
+            TextColumn("{task.fields[tps]:>8.0f} tok/s"),
+            TextColumn("errors {task.fields[errors]}"),
+            TextColumn("unanswered {task.fields[unanswered]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        ]
         started = time.monotonic()
         last_log = started
         # Redrawn by this loop, not by rich's refresh thread (10 wakeups a second for the GIL).
         with Progress(*columns, console=console, transient=False, auto_refresh=False) as bar:
-            task = bar.add_task("generate", total=total, completed=already, rps=0.0, tps=0.0, errors=0,
-                                unanswered=0)  # fmt: skip
+            task = bar.add_task(
+                "generate", total=total, completed=already, rps=0.0, tps=0.0, errors=0, unanswered=0
+            )
             while True:
                 await asyncio.sleep(0.5)
                 elapsed = max(time.monotonic() - started, 1e-6)
                 t = self.tally
                 rps = self.client.counters.requests / elapsed
                 tps = t.tokens_out / elapsed
-                bar.update(task, completed=already + t.rows_done, rps=rps, tps=tps, errors=t.errors,
-                           unanswered=t.unanswered, refresh=True)  # fmt: skip
+                bar.update(
+                    task,
+                    completed=already + t.rows_done,
+                    rps=rps,
+                    tps=tps,
+                    errors=t.errors,
+                    unanswered=t.unanswered,
+                    refresh=True,
+                )
                 # Logs (not a terminal) get a plain line every 10 s instead of a live bar.
                 if not console.is_terminal and time.monotonic() - last_log >= 10:
                     last_log = time.monotonic()
@@ -508,9 +523,16 @@ class Generation:
 
 def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, Any]:
     """Rename the partial files into place (deduplicated, only current input ids); whole-file stats."""
-    stats: dict[str, Any] = {"conversations": 0, "errors": 0, "errors_by_kind": {}, "truncated": 0,
-                             "fallback_last_turn": 0, "tokens_in": 0, "tokens_out": 0,
-                             "dropped_not_in_prompts": 0}  # fmt: skip
+    stats: dict[str, Any] = {
+        "conversations": 0,
+        "errors": 0,
+        "errors_by_kind": {},
+        "truncated": 0,
+        "fallback_last_turn": 0,
+        "tokens_in": 0,
+        "tokens_out": 0,
+        "dropped_not_in_prompts": 0,
+    }
     seen: set[str] = set()
     for final in (CONVERSATIONS, ERRORS):
         partial = out / partial_name(final)
@@ -554,8 +576,13 @@ def latency_ms(seconds: Sequence[float]) -> dict[str, float] | None:
     ms = [1000 * s for s in seconds]
     # 'inclusive' is numpy.percentile's default linear interpolation; one value is every percentile.
     cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
-    return {"mean": round(statistics.fmean(ms), 3), "p50": round(cuts[49], 3),
-            "p90": round(cuts[89], 3), "p99": round(cuts[98], 3), "max": round(max(ms), 3)}  # fmt: skip
+    return {
+        "mean": round(statistics.fmean(ms), 3),
+        "p50": round(cuts[49], 3),
+        "p90": round(cuts[89], 3),
+        "p99": round(cuts[98], 3),
+        "max": round(max(ms), 3),
+    }
 
 
 _received: list[int] = []
@@ -570,19 +597,15 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
     ids = scan_prompts(config.prompts, config.limit)
     urls = [redact_url(u) for u in config.urls]
     async with ChatClient(
-        config.urls, concurrency=config.concurrency, request_timeout_s=config.request_timeout_s,
-        retry=config.retry, patience_s=config.health_timeout_s, api_key=config.api_key,
+        config.urls,
+        concurrency=config.concurrency,
+        request_timeout_s=config.request_timeout_s,
+        retry=config.retry,
+        patience_s=config.health_timeout_s,
+        api_key=config.api_key,
         log=lambda message: console.print(message, markup=False, highlight=False),
-    ) as client:  # fmt: skip
-        try:
-            await client.wait_healthy(config.health_timeout_s)
-            model = config.model or await client.first_model()
-        except HealthTimeout as exc:
-            raise GenerateError(f"{exc}", EXIT_SERVERS_DEAD) from None
-        except AuthError as exc:
-            raise GenerateError(f"{exc}") from None
-        except PermanentError as exc:
-            raise GenerateError(f"{exc.reason}") from None
+    ) as client:
+        model = await _served_model(client, config)
         done, cut = prepare_state(config, model, console)
         input_ids = set(ids)
         todo = input_ids - done
@@ -595,69 +618,116 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         )
         generation = Generation(config, client, model, len(todo))
         started, cpu_started = time.monotonic(), time.process_time()
-        loop = asyncio.get_running_loop()
-        main_task = asyncio.current_task()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _interrupt, main_task, sig)
-        t = generation.tally
-        kept = f"{{}}/{len(input_ids)} rows are done and kept in {config.out_dir}"
-        try:
-            await generation.run(iter_todo(config.prompts, set(todo)), len(input_ids), already, console)
-        except ServersDead as exc:
-            raise GenerateError(
-                f"stopped, no server answers any more ({exc}); "
-                f"{kept.format(already + t.rows_done)}; rerun to resume",
-                EXIT_SERVERS_DEAD,
-            ) from None
-        except ErrorRateExceeded as exc:
-            raise GenerateError(
-                f"stopped, {exc}; {kept.format(already + t.rows_done)}; "
-                "fix the server or the settings and rerun to resume",
-                EXIT_SERVERS_DEAD,
-            ) from None
-        except AuthError as exc:
-            raise GenerateError(f"stopped, {exc}; rows done so far are kept") from None
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        await _run_rows(generation, todo, len(input_ids), already, console)
         wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
+        t = generation.tally
         if t.unanswered:
             kinds = ", ".join(f"{k}: {n}" for k, n in sorted(t.unanswered_by_kind.items()))
             raise GenerateError(
                 f"{t.unanswered} prompts got no usable answer, after up to "
                 f"{config.retry.max_retries + 1} attempts each ({kinds}; last: {t.last_failure[:300]}); "
                 "none is recorded as an error: "
-                f"rerun to ask them again; {kept.format(already + t.rows_done)}",
+                f"rerun to ask them again; {_rows_kept(config, len(input_ids), already + t.rows_done)}",
                 EXIT_SERVERS_DEAD,
             )
-        stats = finalize(config.out_dir, input_ids, config.mode)
-        # The manifest vouches for every prompt: a row lost between a worker and the disk must
-        # not pass as done.
-        missing = len(input_ids) - stats["conversations"] - stats["errors"]
-        if missing:
-            raise GenerateError(
-                f"{missing} of {len(input_ids)} prompts have no row in {CONVERSATIONS} or "
-                f"{ERRORS} in {config.out_dir}; no manifest written, rerun to ask for them again",
-                EXIT_ROWS_MISSING,
-            )
-        counters = client.counters
+        stats = _finalized(config, input_ids)
         stats.update(
-            prompts=len(input_ids), model=model, mode=config.mode, servers=urls,
-            sampling=asdict(config.sampling), chat_template_kwargs=config.chat_template_kwargs,
-            this_attempt={
-                "rows": t.rows_done, "resumed_from": already, "requests": counters.requests,
-                "retries": counters.retries, "transient": counters.transient,
-                "outages": counters.outages, "outage_s": round(counters.outage_s, 1),
-                "errors_by_kind": t.errors_by_kind, "truncated": t.truncated,
-                "fallback_last_turn": t.fallback_last_turn,
-                "tokens_in": t.tokens_in, "tokens_out": t.tokens_out, "wall_s": round(wall, 3),
-                "cpu_s": round(cpu, 3),
-                "req_per_s": round(counters.requests / wall, 2) if wall > 0 else None,
-                "tok_out_per_s": round(t.tokens_out / wall, 2) if wall > 0 else None,
-                "e2e_latency_ms": latency_ms(counters.latencies_s),
-            },
-        )  # fmt: skip
+            prompts=len(input_ids),
+            model=model,
+            mode=config.mode,
+            servers=urls,
+            sampling=config.sampling.model_dump(),
+            chat_template_kwargs=config.chat_template_kwargs,
+            this_attempt=_attempt_stats(t, client.counters, already, wall, cpu),
+        )
         return stats
+
+
+async def _served_model(client: ChatClient, config: GenerateConfig) -> str:
+    """The model to ask, once a server answers: the one configured, else the first served."""
+    try:
+        await client.wait_healthy(config.health_timeout_s)
+        return config.model or await client.first_model()
+    except HealthTimeout as exc:
+        raise GenerateError(f"{exc}", EXIT_SERVERS_DEAD) from None
+    except AuthError as exc:
+        raise GenerateError(f"{exc}") from None
+    except PermanentError as exc:
+        raise GenerateError(f"{exc.reason}") from None
+
+
+def _rows_kept(config: GenerateConfig, prompts: int, rows_done: int) -> str:
+    return f"{rows_done}/{prompts} rows are done and kept in {config.out_dir}"
+
+
+async def _run_rows(
+    generation: Generation, todo: set[str], prompts: int, already: int, console: Console
+) -> None:
+    """Every row still to do through the servers, until they are done, the servers fail or SIGTERM or
+    SIGINT cancels the run; the rows done are kept either way."""
+    config = generation.config
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _interrupt, main_task, sig)
+    t = generation.tally
+    try:
+        await generation.run(iter_todo(config.prompts, set(todo)), prompts, already, console)
+    except ServersDead as exc:
+        raise GenerateError(
+            f"stopped, no server answers any more ({exc}); "
+            f"{_rows_kept(config, prompts, already + t.rows_done)}; rerun to resume",
+            EXIT_SERVERS_DEAD,
+        ) from None
+    except ErrorRateExceeded as exc:
+        raise GenerateError(
+            f"stopped, {exc}; {_rows_kept(config, prompts, already + t.rows_done)}; "
+            "fix the server or the settings and rerun to resume",
+            EXIT_SERVERS_DEAD,
+        ) from None
+    except AuthError as exc:
+        raise GenerateError(f"stopped, {exc}; rows done so far are kept") from None
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _finalized(config: GenerateConfig, input_ids: set[str]) -> dict[str, Any]:
+    """The partial files in place, and their stats; raises when a prompt has no row in either."""
+    stats = finalize(config.out_dir, input_ids, config.mode)
+    # The manifest vouches for every prompt: a row lost between a worker and the disk must
+    # not pass as done.
+    missing = len(input_ids) - stats["conversations"] - stats["errors"]
+    if missing:
+        raise GenerateError(
+            f"{missing} of {len(input_ids)} prompts have no row in {CONVERSATIONS} or "
+            f"{ERRORS} in {config.out_dir}; no manifest written, rerun to ask for them again",
+            EXIT_ROWS_MISSING,
+        )
+    return stats
+
+
+def _attempt_stats(t: Tally, counters: Counters, already: int, wall: float, cpu: float) -> dict[str, Any]:
+    """What this attempt did, beside ``finalize``'s stats of the whole files."""
+    return {
+        "rows": t.rows_done,
+        "resumed_from": already,
+        "requests": counters.requests,
+        "retries": counters.retries,
+        "transient": counters.transient,
+        "outages": counters.outages,
+        "outage_s": round(counters.outage_s, 1),
+        "errors_by_kind": t.errors_by_kind,
+        "truncated": t.truncated,
+        "fallback_last_turn": t.fallback_last_turn,
+        "tokens_in": t.tokens_in,
+        "tokens_out": t.tokens_out,
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "req_per_s": round(counters.requests / wall, 2) if wall > 0 else None,
+        "tok_out_per_s": round(t.tokens_out / wall, 2) if wall > 0 else None,
+        "e2e_latency_ms": latency_ms(counters.latencies_s),
+    }
 
 
 def _event_loop_runner():
@@ -692,6 +762,7 @@ def generate(config: GenerateConfig, console: Console | None = None) -> int:
         f"{stats['errors_by_kind'] or ''}, {stats['truncated']} truncated, "
         f"{stats['tokens_in']} tokens in, {stats['tokens_out']} out, "
         f"{stats['this_attempt']['req_per_s']} req/s{_latency_text(stats['this_attempt']['e2e_latency_ms'])}",
-        markup=False, highlight=False,
-    )  # fmt: skip
+        markup=False,
+        highlight=False,
+    )
     return 0

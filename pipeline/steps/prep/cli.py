@@ -1,16 +1,17 @@
-"""``eyrie prep``: its options, over ``prep.prep``."""
+"""``eyrie prep``: its options, from ``PrepConfig`` (``config.py``), over ``run.run_prep``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from pipeline.steps.options import OutDir
-from pipeline.steps.prep.prep import DEFAULT_WORKER_MEMORY
+from pipeline.steps.options import OutDir, settings_options, validated
+from pipeline.steps.prep.config import PrepConfig
 
 
+@settings_options(PrepConfig)
 def prep(
     catalog: Annotated[
         Path | None,
@@ -19,34 +20,11 @@ def prep(
             help="Catalog YAML of sources, or 'default' (the shipped ten-source mix, the default).",
         ),
     ] = None,
-    offline: Annotated[
-        bool,
-        typer.Option(
-            "--offline/--online",
-            help="Read each source's local 'sample:' file (offline) or the hub and local files (online).",
-        ),
-    ] = False,
-    quota: Annotated[
-        int, typer.Option(min=0, help="At most N records per source; 0: the catalog's own quotas.")
-    ] = 0,
     out_dir: OutDir = None,
-    seed: Annotated[int | None, typer.Option(help="Shuffle seed (default: the catalog's).")] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="At most this many sources at once (default: what memory allows).")
-    ] = None,
-    worker_memory: Annotated[
-        str,
-        typer.Option(
-            metavar="SIZE", help="Memory one source's worker may use; divides the budget into workers."
-        ),
-    ] = DEFAULT_WORKER_MEMORY,
+    **settings: Any,
 ) -> None:
     """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""
-    from pipeline.steps.prep.prep import prep as run_prep
+    from pipeline.steps.prep.run import run_prep
 
-    raise typer.Exit(
-        run_prep(
-            catalog, out_dir, offline=offline, seed=seed, quota=quota or None, workers=workers,
-            worker_memory=worker_memory,
-        )  # fmt: skip
-    )
+    config = validated(PrepConfig, **settings)
+    raise typer.Exit(run_prep(catalog, out_dir, **config.model_dump()))

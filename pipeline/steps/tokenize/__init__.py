@@ -1,2 +1,2 @@
 """The tokenize step: conversations -> parquet shards of input_ids and an assistant-only loss
-mask (see tokenize.py)."""
+mask (see run.py)."""

@@ -1,1 +1,1 @@
-"""The training step: an EAGLE-3 draft head distilled from the target (see train.py)."""
+"""The training step: an EAGLE-3 draft head distilled from the target (see loop.py)."""

@@ -1,13 +1,11 @@
 """``eyrie train``: the pipeline step. Trains (or resumes), exports ``draft/``, evaluates into ``eval.json``.
 
-With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-process;
+With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-process (``launch.py``);
 each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
 and evaluates. The manifest is written last, by the launching process of the node that
 ran rank 0, after every worker has exited cleanly. Several nodes must share the output
 folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
 launching process has the target's features pass run first, and the workers train from its shards.
-The launcher outlives every worker, so what it plans and runs before them (the placement, the
-features pass) runs in a child process of its own: their CUDA contexts and rows go with it.
 
 Exit codes: 0 done; 1 training failed, or the target server could not be reached (a rerun resumes
 from the last checkpoint); 2 bad settings or input, said in one line per problem; 128+N stopped by
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,13 +29,12 @@ from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_opti
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.config import TrainConfig
+from pipeline.steps.train.launch import EXIT_FAILED, launch, placement_for_launch, say
 from pipeline.steps.train.placement import PlacementError
 from pipeline.steps.wrapper import language_config
 
 DRAFT = "draft"
 EVAL = "eval.json"
-RESOLVED = "train_config.json"
-EXIT_FAILED = 1
 
 
 class SettingsError(Exception):
@@ -51,8 +47,8 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     Any other error is a failure, with its traceback. Imported when needed: this module stays
     light for `eyrie --help`."""
     from pipeline.steps.quantized import HeldFormatError
+    from pipeline.steps.train.loop import TrainingInputError
     from pipeline.steps.train.offline import FeaturesError
-    from pipeline.steps.train.train import TrainingInputError
 
     return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError, HeldFormatError)
 
@@ -117,7 +113,7 @@ def worker(cfg: TrainConfig) -> int:
 
     from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
     from pipeline.steps.eagle3.export import export_draft
-    from pipeline.steps.train.train import simulated_acceptance, target_for_evaluation, train
+    from pipeline.steps.train.loop import simulated_acceptance, target_for_evaluation, train
 
     result = train(cfg)
     if result["rank"] != 0:
@@ -127,14 +123,25 @@ def worker(cfg: TrainConfig) -> int:
     export_draft(draft, cfg.out_dir / DRAFT, setup.layer_ids, dtype=setup.dtype)
     started = time.monotonic()
     simulated = simulated_acceptance(
-        built.source, draft, setup.heldout, cfg.ttt_steps, setup.pad_id, batch_size=cfg.batch_size,
-        loss_chunk=cfg.loss_chunk, precision=setup.precision,
-    )  # fmt: skip
+        built.source,
+        draft,
+        setup.heldout,
+        cfg.ttt_steps,
+        setup.pad_id,
+        batch_size=cfg.batch_size,
+        loss_chunk=cfg.loss_chunk,
+        precision=setup.precision,
+    )
     prompts = setup.heldout[: cfg.eval_prompts]
     target = target_for_evaluation(cfg, built) if prompts else None
     real = real_acceptance(
-        target, draft, prompts, cfg.ttt_steps, cfg.eval_max_new_tokens, eos_ids_of(target) if target else (),
-    )  # fmt: skip
+        target,
+        draft,
+        prompts,
+        cfg.ttt_steps,
+        cfg.eval_max_new_tokens,
+        eos_ids_of(target) if target else (),
+    )
     report = {
         **result["summary"],
         "k": cfg.ttt_steps,
@@ -154,21 +161,6 @@ def worker(cfg: TrainConfig) -> int:
     return 0
 
 
-def offline_features(cfg: TrainConfig) -> None:
-    """The offline features pass, in one process over every GPU, before the workers train from its shards."""
-    from pipeline.steps.train.train import features_pass, prepare
-
-    setup = prepare(cfg, world=1)
-    for line in setup.plan.describe():
-        print(line, flush=True)
-    features_pass(cfg, setup, lambda line: print(line, flush=True))
-
-
-def _say(message: str) -> None:
-    for line in message.splitlines():
-        print(f"error: {line}", file=sys.stderr, flush=True)
-
-
 def worker_main(resolved: Path) -> int:
     """A torchrun worker's entry: bad settings or input are one line (from each node's first
     worker, the others would repeat it) and exit 2, which tells the launcher not to offer a resume."""
@@ -176,7 +168,7 @@ def worker_main(resolved: Path) -> int:
         worker(read_resolved(resolved))
     except bad_input_errors() as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            _say(str(exc))
+            say(str(exc))
         return EXIT_BAD_INPUT
     return 0
 
@@ -207,103 +199,13 @@ def check_inputs(cfg: TrainConfig) -> None:
         )
 
 
-def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
-    """Run torchrun's launcher here; returns (exit code, whether this node ran global rank 0).
-
-    In-process, a worker's exit code (2: bad input) is known and the launcher's own
-    traceback is not printed for it; torch's launch API also says which global ranks ran here.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
-
-    # One node: what --standalone means (torchrun's run() applies it, config_from_args does not).
-    rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"] if cfg.nnodes == 1 else []
-    args = parse_args(
-        [f"--nproc-per-node={cfg.nproc}", f"--nnodes={cfg.nnodes}", *rendezvous]
-        + ["-m", "pipeline.steps.train", str(resolved)]
-    )
-    if args.master_port is None:
-        args.master_port = 29500  # torchrun's default for a static rendezvous
-    config, entrypoint, entry_args = config_from_args(args)
-    try:
-        finished = elastic_launch(config, entrypoint)(*entry_args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode == EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT, False  # the worker said why
-        code = failure.exitcode
-        how = f"died of signal {-code}" if code < 0 else f"exited with {code}"
-        checkpoints = cfg.out_dir / "checkpoints"
-        _say(f"worker rank {rank} {how}; a rerun resumes from the last checkpoint in {checkpoints}")
-        return EXIT_FAILED, False
-    except SignalException as exc:
-        _say(f"stopped by signal {exc.sigval}; a rerun resumes from the last checkpoint")
-        return 128 + int(exc.sigval), False
-    return 0, 0 in finished  # keyed by global rank
-
-
-def _in_child(function, *args):
-    """``function(*args)`` in a child process of its own, started for it: what it loads (CUDA contexts
-    on every GPU it measures or uses, the rows, the target) goes when it ends, and the launcher,
-    which waits for the workers as long as they train, keeps none of it."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
-
-
-def _launch_plan(cfg: TrainConfig, devices) -> tuple[str, str]:
-    """(placement, reason) of ``auto`` for the launching process: the target alone, every GPU."""
-    from pipeline.steps.train.train import prepare
-
-    plan = prepare(cfg, world=1, devices=devices).plan
-    return plan.placement, plan.reason
-
-
-def placement_for_launch(cfg: TrainConfig, devices=None) -> TrainConfig:
-    """What several processes on one node hold. ``sharded`` is one process over every GPU; with
-    ``auto`` each rank holds the target when one GPU holds it beside the draft (replicated), and
-    otherwise it is sharded over every GPU, in one process."""
-    if cfg.nproc == 1 or cfg.nnodes > 1 or cfg.target_placement not in ("auto", "sharded"):
-        return cfg
-    if cfg.target_placement == "sharded":
-        print(
-            f"target placement sharded: one process trains over every GPU, not --nproc {cfg.nproc}",
-            flush=True,
-        )
-        return cfg.model_copy(update={"nproc": 1})
-    placement, reason = _in_child(_launch_plan, cfg, devices)
-    if placement != "sharded":
-        return cfg
-    print(f"target placement auto: {reason}; one process trains, not --nproc {cfg.nproc}", flush=True)
-    return cfg.model_copy(update={"nproc": 1, "target_placement": "sharded"})
-
-
 def _train_here(cfg: TrainConfig) -> int | None:
     """Train (in this process or under torchrun); an exit code, or None when this node's
     rank 0 wrote the draft and eval.json, whose manifest is still to write."""
     if "LOCAL_RANK" not in os.environ:
         cfg = placement_for_launch(cfg)
     if cfg.nproc * cfg.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        if cfg.target_placement == "offline":
-            _in_child(offline_features, cfg)
-        resolved = cfg.out_dir / RESOLVED
-        atomic_write_text(resolved, cfg.model_dump_json(indent=2))
-        rc, ran_rank_0 = launch_workers(cfg, resolved)
-        if rc != 0:
-            return rc
-        if not ran_rank_0:
-            # Only global rank 0 exports and evaluates: its node vouches for the outputs.
-            print(
-                "note: this node's workers are done; "
-                "the node of global rank 0 writes the draft and the manifest",
-                file=sys.stderr,
-            )
-            return 0
-        return None
+        return launch(cfg)
     worker(cfg)
     return None
 
@@ -317,20 +219,20 @@ def train_command(config_file: Path | None, **overrides) -> int:
             cfg.out_dir = step_dir
         check_inputs(cfg)
     except SettingsError as exc:
-        _say(str(exc))
+        say(str(exc))
         return EXIT_BAD_INPUT
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     try:
         with gpus_released(cfg.release_target, step_dir):
             rc = _train_here(cfg)
     except (*bad_input_errors(), SGLangRefused) as exc:
-        _say(str(exc))
+        say(str(exc))
         return EXIT_BAD_INPUT
     except SGLangUnavailable as exc:
-        _say(f"{exc}; a rerun tries again")
+        say(f"{exc}; a rerun tries again")
         return EXIT_FAILED
     except Terminated as exc:
-        _say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out_dir}/checkpoints")
+        say(f"{exc}; a rerun resumes from the last checkpoint in {cfg.out_dir}/checkpoints")
         return 128 + exc.signum
     if rc is not None:
         return rc
@@ -360,5 +262,5 @@ def train(
             **settings,
             trust_remote_code=trust_remote_code or None,
             release_target=release_url(release_target),
-        )  # fmt: skip
+        )
     )

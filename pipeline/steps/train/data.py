@@ -41,8 +41,11 @@ def collate(rows: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = r.input_ids
         attention[i, :n] = 1
         loss[i, :n] = np.asarray(r.loss_mask) != 0
-    return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attention),
-            "loss_mask": torch.from_numpy(loss)}  # fmt: skip
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(attention),
+        "loss_mask": torch.from_numpy(loss),
+    }
 
 
 def batch_at(rows: Sequence[Example], step: int, batch_size: int, seed: int, rank: int, world: int):

@@ -194,9 +194,16 @@ def _describe_layers(layers: list[int]) -> str:
 
 
 def target_units(
-    config, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int,
-    trust_remote_code: bool = False, device_type: str = "cpu", dequantize: bool = False,
-) -> TargetUnits:  # fmt: skip
+    config,
+    dtype,
+    batch_size: int,
+    length: int,
+    draft_vocab: int,
+    logits_chunk: int,
+    trust_remote_code: bool = False,
+    device_type: str = "cpu",
+    dequantize: bool = False,
+) -> TargetUnits:
     """The target's modules in forward order with their bytes as held, from its language model on the
     meta device (:func:`pipeline.steps.target.language_model`: quantized weights packed unless
     ``dequantize``; a format that cannot be held as stored on ``device_type`` raises ``HeldFormatError``).

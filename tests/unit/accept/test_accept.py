@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from eyrie_testing import eyrie
 from pipeline.cli import app
 from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
-from pipeline.steps.accept import accept as accept_module
-from pipeline.steps.accept.accept import Settings, _server_run
+from pipeline.steps.accept import measure
+from pipeline.steps.accept.measure import Settings, _server_run
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.generate.client import Retry
@@ -133,7 +133,7 @@ def served(monkeypatch):
         started.parsers.append(parsers)
         yield fake.url
 
-    monkeypatch.setattr(accept_module, "sglang_server", sglang_server)
+    monkeypatch.setattr(measure, "sglang_server", sglang_server)
     yield started
     fake.close()
 
@@ -169,13 +169,13 @@ def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(t
 def test_accept_records_the_speculation_sglang_runs(run_inputs, served, tmp_path, capsys):
     """With topk 1 SGLang v0.5.12 verifies num_steps + 1 tokens whatever num_draft_tokens says."""
     settings = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 1, 4))
-    assert accept_module.accept(settings, tmp_path) == 0
+    assert measure.run_accept(settings, tmp_path) == 0
     assert served[0].num_draft_tokens == 6 and served[1] is None  # with the draft, then without
     report = json.loads((tmp_path / "accept.json").read_text())
     assert (report["num_steps"], report["topk"], report["num_draft_tokens"]) == (5, 1, 6)
     assert "6 tokens verified per target forward, not --num-draft-tokens 4" in capsys.readouterr().err
     branching = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 4, 16))
-    assert accept_module.accept(branching, tmp_path) == 0
+    assert measure.run_accept(branching, tmp_path) == 0
     assert json.loads((tmp_path / "accept.json").read_text())["num_draft_tokens"] == 16
 
 
@@ -189,7 +189,7 @@ def test_the_draft_is_checked_strictly_before_anything_is_measured(run_inputs, s
     save_file(weights, broken / "model.safetensors")
     for engine in ("sglang", "chain"):
         settings = _sglang_settings(run_inputs, draft=broken, engine=engine)
-        assert accept_module.accept(settings, tmp_path / engine) == EXIT_BAD_INPUT
+        assert measure.run_accept(settings, tmp_path / engine) == EXIT_BAD_INPUT
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and "missing fc.weight; unexpected fc.bias" in lines[0], lines
     assert served == []
@@ -197,7 +197,7 @@ def test_the_draft_is_checked_strictly_before_anything_is_measured(run_inputs, s
     shutil.copytree(run_inputs["draft"], other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "target_hidden_size": 64}))
-    assert accept_module.accept(_sglang_settings(run_inputs, draft=other), tmp_path) == 2
+    assert measure.run_accept(_sglang_settings(run_inputs, draft=other), tmp_path) == 2
     assert "a draft for another target" in capsys.readouterr().err
 
 
@@ -210,9 +210,9 @@ def test_a_server_that_stops_answering_fails_the_step_and_never_reads_as_bad_inp
     def sglang_server(*args, **kwargs):
         yield fake.url
 
-    monkeypatch.setattr(accept_module, "sglang_server", sglang_server)
+    monkeypatch.setattr(measure, "sglang_server", sglang_server)
     try:
-        assert accept_module.accept(_sglang_settings(run_inputs), tmp_path) == accept_module.EXIT_FAILED
+        assert measure.run_accept(_sglang_settings(run_inputs), tmp_path) == measure.EXIT_FAILED
     finally:
         fake.close()
     assert fake.calls.count("/generate") == 1 + Retry().max_retries  # the warm-up, through its retries

@@ -16,7 +16,7 @@ from pipeline.steps.prep.adapters import (
     split_reasoning,
 )
 from pipeline.steps.prep.catalog import Source
-from pipeline.steps.prep.prep import merge_jsonl
+from pipeline.steps.prep.run import merge_jsonl
 from pipeline.steps.prep.sources import conversation_record, prepare_source, record_line, row_source_id
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from pipeline.run.step_contract import check_manifest, read_manifest
 from pipeline.steps.prep.catalog import load_catalog
-from pipeline.steps.prep.prep import OUTPUTS, prep
+from pipeline.steps.prep.run import OUTPUTS, run_prep
 
 SAMPLES = Path(__file__).resolve().parents[3] / "pipeline" / "embedded" / "samples"
 
@@ -61,8 +61,8 @@ def test_default_catalog_offline_gives_records_from_every_source(prepped):
 
 def test_same_seed_same_bytes_other_seed_other_order(prepped, tmp_path):
     again, other = tmp_path / "again", tmp_path / "other"
-    assert prep(None, again, offline=True) == 0
-    assert prep(None, other, offline=True, seed=7) == 0
+    assert run_prep(None, again, offline=True) == 0
+    assert run_prep(None, other, offline=True, seed=7) == 0
     assert (again / "prompts.jsonl").read_bytes() == (prepped / "prompts.jsonl").read_bytes()
     first, shuffled = lines(prepped / "prompts.jsonl"), lines(other / "prompts.jsonl")
     assert [r["id"] for r in first] != [r["id"] for r in shuffled]
@@ -78,7 +78,7 @@ def test_schema_mismatch_names_source_adapter_and_keys(tmp_path, capsys):
         ],
     )
     out = tmp_path / "out"
-    assert prep(catalog, out) == 2
+    assert run_prep(catalog, out) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "source 'math': the first 30 rows gave no record with adapter 'messages'" in err
     assert "rows have keys [answer, question]" in err and "expects 'messages'" in err
@@ -125,7 +125,7 @@ def test_unknown_speakers_are_named_with_the_roles_the_map_knows(tmp_path, capsy
     turns = [{"from": "Human", "value": "hi"}, {"from": "Assistant", "value": "hello"}]
     rows.write_text(json.dumps({"conversations": turns}) + "\n")
     catalog = write_catalog(tmp_path, [{"name": "caps", "data": str(rows), "format": "sharegpt"}])
-    assert prep(catalog, tmp_path / "out") == 2
+    assert run_prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "(rejected: unknown_role 1); roles 'Assistant', 'Human' are not in the role map" in err
     assert (
@@ -142,7 +142,7 @@ def test_unknown_speakers_are_named_with_the_roles_the_map_knows(tmp_path, capsy
     catalog = write_catalog(
         tmp_path, [{"name": "caps", "data": str(rows), "format": "sharegpt", "roles": roles}]
     )
-    assert prep(catalog, tmp_path / "out") == 0
+    assert run_prep(catalog, tmp_path / "out") == 0
     err = " ".join(capsys.readouterr().err.split())
     assert "unknown_role 1 (Bard)" in err and "source 'caps': 1 rows rejected: roles 'Bard' are not" in err
     assert read_manifest(tmp_path / "out").stats["sources"]["caps"]["unknown_roles"] == {"Bard": 1}
@@ -152,10 +152,10 @@ def test_a_failed_rerun_leaves_no_manifest_over_the_old_outputs(tmp_path, capsys
     gsm = {"name": "math", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
            "fields": {"prompt": "question", "response": "answer"}}  # fmt: skip
     out = tmp_path / "out"
-    assert prep(write_catalog(tmp_path, [gsm]), out) == 0
+    assert run_prep(write_catalog(tmp_path, [gsm]), out) == 0
     assert check_manifest(out, OUTPUTS)[0]
     broken = {**gsm, "fields": {"prompt": "input"}}  # every row now lacks its prompt
-    assert prep(write_catalog(tmp_path, [broken]), out) == 2
+    assert run_prep(write_catalog(tmp_path, [broken]), out) == 2
     complete, why = check_manifest(out, OUTPUTS)
     assert not complete and "no valid manifest.json" in why
     assert (out / "prompts.jsonl").exists()  # the earlier outputs are not deleted, only not vouched for
@@ -165,7 +165,7 @@ def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(500)))
     catalog = write_catalog(tmp_path, [{"name": "wide", "data": str(rows), "format": "sharegpt"}])
-    assert prep(catalog, tmp_path / "out") == 2
+    assert run_prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "the first 100 rows gave no record with adapter 'sharegpt'" in err
     assert "expects 'conversations' (a list of {from, value})" in err
@@ -176,7 +176,7 @@ def test_turn_keys_of_the_wrong_shape_are_named(tmp_path, capsys):
         tmp_path, [{"name": "sg", "data": str(SAMPLES / "sharegpt_vicuna.json"), "format": "messages",
                     "fields": {"messages": "conversations"}}],
     )  # fmt: skip
-    assert prep(catalog, tmp_path / "out") == 2
+    assert run_prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "turns have {from, value}" in err and "(a list of {role, content})" in err
 
@@ -188,7 +188,7 @@ def test_quota_and_cross_source_dedup(tmp_path):
         tmp_path, [{"name": "first", **gsm, **fields}, {"name": "again", "quota": 5, **gsm, **fields}]
     )
     out = tmp_path / "out"
-    assert prep(catalog, out) == 0
+    assert run_prep(catalog, out) == 0
     stats = read_manifest(out).stats["sources"]
     assert stats["first"]["accepted"] == 30
     assert (
@@ -199,7 +199,7 @@ def test_quota_and_cross_source_dedup(tmp_path):
 
 def test_offline_without_a_local_file_is_refused_before_any_work(tmp_path, capsys):
     catalog = write_catalog(tmp_path, [{"name": "hub", "data": "openai/gsm8k", "format": "pairs"}])
-    assert prep(catalog, tmp_path / "out", offline=True) == 2
+    assert run_prep(catalog, tmp_path / "out", offline=True) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "source 'hub': --offline needs a local file" in err
     assert not (tmp_path / "out").exists()
@@ -227,7 +227,7 @@ def test_a_source_that_cannot_be_read_is_named_and_nothing_is_written(tmp_path, 
         ],
     )  # fmt: skip
     out = tmp_path / "out"
-    assert prep(catalog, out) == 1
+    assert run_prep(catalog, out) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert f"error: source 'broken' ({broken}):" in err
     assert "error: source 'hub' (openai/gsm8k):" in err
@@ -243,7 +243,7 @@ def test_malformed_rows_are_counted_not_fatal(tmp_path):
     rows.write_text("".join(json.dumps(r) + "\n" for r in [good, odd, not_text]))
     catalog = write_catalog(tmp_path, [{"name": "odd", "data": str(rows), "format": "messages"}])
     out = tmp_path / "out"
-    assert prep(catalog, out) == 0
+    assert run_prep(catalog, out) == 0
     stats = read_manifest(out).stats["sources"]["odd"]
     assert stats["accepted"] == 1
     assert stats["rejected"] == {"malformed_TypeError": 1, "non_text_content": 1}
@@ -279,7 +279,7 @@ def test_a_source_read_in_slices_gives_the_records_and_counts_of_one_reader(layo
     outputs = {}
     for workers in (1, 2):
         out = tmp_path / f"workers-{workers}"
-        assert prep(catalog, out, workers=workers) == 0
+        assert run_prep(catalog, out, workers=workers) == 0
         manifest = read_manifest(out)
         assert manifest.stats["parallel"]["slices"] == ({} if workers == 1 else {"chats": 2})
         assert ("chats in 2 slices" in capsys.readouterr().err) == (workers == 2)
@@ -315,7 +315,7 @@ def test_tokenized_rows_read_in_slices_keep_their_index_in_the_file(tmp_path):
     catalog = write_catalog(tmp_path, [{"name": "dump", "data": str(data), "format": "tokenized"}])
     tables = {}
     for workers in (1, 2):
-        assert prep(catalog, tmp_path / f"w{workers}", workers=workers) == 0
+        assert run_prep(catalog, tmp_path / f"w{workers}", workers=workers) == 0
         tables[workers] = pq.read_table(tmp_path / f"w{workers}" / "native_tokenized.parquet").to_pylist()
     assert tables[1] == tables[2]
     assert [r["source_id"] for r in tables[2]] == [f"#{i}" for i in range(40)]
@@ -323,7 +323,7 @@ def test_tokenized_rows_read_in_slices_keep_their_index_in_the_file(tmp_path):
 
 
 def test_spare_workers_slice_the_sources_without_a_quota(tmp_path):
-    from pipeline.steps.prep.prep import plan_slices
+    from pipeline.steps.prep.run import plan_slices
 
     gsm = {"data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs"}
     catalog = load_catalog(

@@ -19,7 +19,7 @@ from eyrie_testing import eyrie
 from pipeline.run.step_contract import read_manifest
 from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.tokenize import fast
-from pipeline.steps.tokenize.tokenize import (
+from pipeline.steps.tokenize.run import (
     ChatTemplate,
     TokenizeError,
     Tokenizer,
@@ -28,7 +28,7 @@ from pipeline.steps.tokenize.tokenize import (
     mask_from_offsets,
     prefix_spans,
     probe_spans,
-    tokenize,
+    run_tokenize,
 )
 from tests.fixtures.kimi_k25.tokenizer import write_kimi_tokenizer
 
@@ -120,7 +120,7 @@ def test_a_fast_tokenizer_that_disagrees_is_refused_and_nothing_written(
     out = tmp_path / "tok"
     out.mkdir()
     (out / "manifest.json").write_text("{}")  # an earlier attempt's: left as it was
-    assert tokenize(str(kimi_k25), [conversations_file], [], out, trust_remote_code=True) == 2
+    assert run_tokenize(str(kimi_k25), [conversations_file], [], out, trust_remote_code=True) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert f"{conversations_file}:" in line and "differs from it at token" in line and str(converted) in line
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
@@ -128,7 +128,7 @@ def test_a_fast_tokenizer_that_disagrees_is_refused_and_nothing_written(
 
 def test_without_trust_remote_code_the_tokenizer_is_refused(kimi_k25, conversations_file, tmp_path, capsys):
     out = tmp_path / "tok"
-    assert tokenize(str(kimi_k25), [conversations_file], [], out) == 2
+    assert run_tokenize(str(kimi_k25), [conversations_file], [], out) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert "ships its own code" in line and "--trust-remote-code" in line
     assert not out.exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.steps.tokenize.tokenize import Tokenizer, _render, mask_from_offsets
+from pipeline.steps.tokenize.run import Tokenizer, _render, mask_from_offsets
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

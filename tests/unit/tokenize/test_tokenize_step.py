@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.run.step_contract import check_manifest, read_manifest
-from pipeline.steps.tokenize.tokenize import tokenize
+from pipeline.steps.tokenize.run import run_tokenize
 
 
 def shards(out: Path) -> pa.Table:
@@ -40,7 +40,9 @@ def answered(prepped, tmp_path_factory) -> Path:
 def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
     out = tmp_path / "tok"
     inputs = [answered, prepped / "native.jsonl"]
-    assert tokenize(tiny_tokenizer, inputs, [prepped / "native_tokenized.parquet"], out, shard_rows=100) == 0
+    assert (
+        run_tokenize(tiny_tokenizer, inputs, [prepped / "native_tokenized.parquet"], out, shard_rows=100) == 0
+    )
     ok, why = check_manifest(out, ["shards"])
     assert ok, why
     manifest = read_manifest(out)
@@ -82,7 +84,7 @@ def test_tokenize_prepped_outputs(prepped, answered, tiny_tokenizer, tmp_path):
 
 def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
     out = tmp_path / "tok"
-    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out, max_length=600) == 0
+    assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out, max_length=600) == 0
     stats = read_manifest(out).stats["totals"]
     lengths = [len(x) for x in shards(out).column("input_ids").to_pylist()]
     assert max(lengths) == 600 and stats["truncated"] >= sum(n == 600 for n in lengths) > 0
@@ -90,10 +92,10 @@ def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
 
 def test_a_failed_rerun_leaves_no_manifest_over_the_old_shards(prepped, tiny_tokenizer, tmp_path):
     out = tmp_path / "tok"
-    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out) == 0
+    assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out) == 0
     bad = tmp_path / "conversations.jsonl"
     bad.write_text("not json\n")
-    assert tokenize(tiny_tokenizer, [bad], [], out) == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], out) == 1
     assert not check_manifest(out, ["shards"])[0] and (out / "shards").is_dir()
 
 
@@ -110,7 +112,7 @@ def test_pretokenized_ids_outside_the_vocabulary_are_rejected(tiny_tokenizer, tm
         rows,
     )
     out = tmp_path / "tok"
-    assert tokenize(tiny_tokenizer, [], [rows], out) == 0
+    assert run_tokenize(tiny_tokenizer, [], [rows], out) == 0
     assert read_manifest(out).stats["sources"]["a"]["rejected"] == {"id_out_of_vocab": 1}
     (kept,) = shards(out).to_pylist()
     # a file prep did not write has no ids: the row gets prep's kind of id, and its index in the file
@@ -123,7 +125,7 @@ def test_a_pretokenized_file_without_ids_gets_the_ids_prep_gives(prepped, tiny_t
     bare = tmp_path / "bare.parquet"
     pq.write_table(written.drop_columns(["id", "source_id"]), bare)
     out = tmp_path / "tok"
-    assert tokenize(tiny_tokenizer, [], [bare], out) == 0
+    assert run_tokenize(tiny_tokenizer, [], [bare], out) == 0
     assert written.num_rows > 0
     assert sorted(shards(out).column("id").to_pylist()) == sorted(written.column("id").to_pylist())
 
@@ -142,19 +144,19 @@ def test_kimi_template_on_a_tokenizer_without_its_tokens_is_refused(prepped, tin
 
 
 def test_missing_inputs_and_bad_records_are_one_line_errors(tiny_tokenizer, tmp_path, capsys):
-    assert tokenize(tiny_tokenizer, [tmp_path / "nope.jsonl"], [], tmp_path / "a") == 2
+    assert run_tokenize(tiny_tokenizer, [tmp_path / "nope.jsonl"], [], tmp_path / "a") == 2
     assert "nope.jsonl do not exist" in capsys.readouterr().err
     bad = tmp_path / "conversations.jsonl"
     bad.write_text('{"id": "x", "messages": []}\n')
-    assert tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == 1
     assert f"{bad}:1 is not a conversation record" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "b" / "shards").exists() and not (tmp_path / "b" / "manifest.json").exists()
 
 
 def test_worker_processes_give_the_same_shards_as_one_process(prepped, answered, tiny_tokenizer, tmp_path):
     inputs = [answered, prepped / "native.jsonl"]
-    assert tokenize(tiny_tokenizer, inputs, [], tmp_path / "one", workers=1) == 0
-    assert tokenize(tiny_tokenizer, inputs, [], tmp_path / "two", workers=2) == 0
+    assert run_tokenize(tiny_tokenizer, inputs, [], tmp_path / "one", workers=1) == 0
+    assert run_tokenize(tiny_tokenizer, inputs, [], tmp_path / "two", workers=2) == 0
     assert read_manifest(tmp_path / "one").stats["workers"]["workers"] == 1
     assert read_manifest(tmp_path / "two").stats["workers"]["workers"] == 2
     assert shards(tmp_path / "two").equals(shards(tmp_path / "one"))  # same rows, same order
@@ -166,7 +168,7 @@ def test_a_bad_record_fails_the_step_from_a_worker_too(tiny_tokenizer, tmp_path,
     lines.insert(555, "not json")
     bad = tmp_path / "conversations.jsonl"
     bad.write_text("\n".join(lines) + "\n")
-    assert tokenize(tiny_tokenizer, [bad], [], tmp_path / "out", workers=2) == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "out", workers=2) == 1
     assert f"{bad}:556 is not a conversation record" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "out" / "shards").exists()
 
@@ -177,11 +179,11 @@ def test_a_killed_worker_fails_the_step_without_shards(
     import os
     import signal
 
-    from pipeline.steps.tokenize.tokenize import Tokenizer
+    from pipeline.steps.tokenize.run import Tokenizer
 
     # Workers are forked, so they inherit the patched method: the first batch kills its worker.
     monkeypatch.setattr(Tokenizer, "encode_lines", lambda *_: os.kill(os.getpid(), signal.SIGKILL))
-    assert tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], tmp_path / "out", workers=2) == 1
+    assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], tmp_path / "out", workers=2) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "a tokenize worker process died (killed by a signal" in err and "--workers 1" in err
     assert not (tmp_path / "out" / "shards").exists() and not (tmp_path / "out" / "manifest.json").exists()
@@ -190,7 +192,7 @@ def test_a_killed_worker_fails_the_step_without_shards(
 def test_a_bad_worker_memory_is_a_one_line_error_naming_the_option(tiny_tokenizer, tmp_path, capsys):
     conversations = tmp_path / "conversations.jsonl"
     conversations.write_text("")
-    assert tokenize(tiny_tokenizer, [conversations], [], tmp_path / "out", worker_memory="lots") == 2
+    assert run_tokenize(tiny_tokenizer, [conversations], [], tmp_path / "out", worker_memory="lots") == 2
     assert "--worker-memory: invalid size 'lots'" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "out" / "shards").exists()
 
@@ -205,7 +207,7 @@ def test_a_tokenizer_folder_that_is_missing_or_empty_is_named_as_such(prepped, t
         "of tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, vocab.json)",
     }  # fmt: skip
     for number, (given, said) in enumerate(cases.items()):
-        assert tokenize(given, conversations, [], tmp_path / f"out{number}") == 2
+        assert run_tokenize(given, conversations, [], tmp_path / f"out{number}") == 2
         err = " ".join(capsys.readouterr().err.split())
         assert f"error: {said}" in err, err
         assert "Repo id" not in err

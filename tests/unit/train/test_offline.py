@@ -18,9 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.run.step_contract import check_manifest, read_manifest
 from pipeline.steps.shards import Example
+from pipeline.steps.train import loop as train_module
 from pipeline.steps.train import offline
-from pipeline.steps.train import train as train_module
 from pipeline.steps.train.features import OnlineTarget
+from pipeline.steps.train.loop import TrainConfig, features_pass, prepare
 from pipeline.steps.train.offline import (
     FeaturesError,
     FeatureShards,
@@ -30,7 +31,6 @@ from pipeline.steps.train.offline import (
     write_features,
 )
 from pipeline.steps.train.placement import HEADROOM, Device, PlacementError
-from pipeline.steps.train.train import TrainConfig, features_pass, prepare
 
 HIDDEN = 32
 LAYERS = [1, 3, 4]

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.features import TargetBatch
+from pipeline.steps.train.loop import DraftLoss
 from pipeline.steps.train.placement import (
     HEADROOM,
     Device,
@@ -18,7 +19,6 @@ from pipeline.steps.train.placement import (
     plan,
     target_units,
 )
-from pipeline.steps.train.train import DraftLoss
 
 GiB = 1024**3
 LENGTH = 2048

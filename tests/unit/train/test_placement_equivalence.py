@@ -28,11 +28,11 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.train import train as train_module
-from pipeline.steps.train.cli import placement_for_launch
+from pipeline.steps.train import loop as train_module
 from pipeline.steps.train.features import LOGITS_CHUNK
+from pipeline.steps.train.launch import placement_for_launch
+from pipeline.steps.train.loop import TrainConfig, prepare, train
 from pipeline.steps.train.placement import HEADROOM, Device, target_units
-from pipeline.steps.train.train import TrainConfig, prepare, train
 
 VOCAB = 128
 TARGETS = {

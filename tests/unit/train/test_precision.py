@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train import precision
+from pipeline.steps.train.loop import TrainConfig, run_key, train
 from pipeline.steps.train.precision import cpu_bf16_is_fast, cpu_flags, resolve
-from pipeline.steps.train.train import TrainConfig, run_key, train
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.train import TrainConfig, simulated_acceptance, train
+from pipeline.steps.train.loop import TrainConfig, simulated_acceptance, train
 
 
 def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict, dict]:

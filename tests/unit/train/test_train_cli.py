@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
 from pipeline.steps.train import cli
 from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
-from pipeline.steps.train.train import TrainConfig
+from pipeline.steps.train.launch import launch_workers
+from pipeline.steps.train.loop import TrainConfig
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def test_launcher_offers_a_resume_only_when_a_worker_did_not_refuse_its_input(
 
     monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", failing_launch)
     cfg = TrainConfig(data=tmp_path, target=tmp_path, out_dir=tmp_path, nproc=2)
-    assert cli.launch_workers(cfg, tmp_path / "train_config.json") == (rc, False)
+    assert launch_workers(cfg, tmp_path / "train_config.json") == (rc, False)
     err = capsys.readouterr().err
     assert ("a rerun resumes from the last checkpoint" in err) == resume
     if exitcode == -9:

@@ -21,7 +21,7 @@ from pipeline.steps import shards as shards_module
 from pipeline.steps.shards import ROWS_SCHEMA, Example, load_shards, split_heldout
 from pipeline.steps.train.cli import train_command
 from pipeline.steps.train.data import batch_at, collate, steps_per_epoch, token_counts
-from pipeline.steps.train.train import TrainConfig, rows_file
+from pipeline.steps.train.loop import TrainConfig, rows_file
 
 
 def rows(n: int) -> list[Example]:
@@ -221,7 +221,7 @@ def test_a_shard_it_cannot_use_is_one_line_naming_it_and_leaves_no_rows_file(tmp
 _HOLD = """
 import json, sys
 from pathlib import Path
-import pipeline.steps.train.train
+import pipeline.steps.train.loop
 from pipeline.steps.shards import load_shards
 
 def anonymous():

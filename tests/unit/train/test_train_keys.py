@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps import target as target_module
-from pipeline.steps.train.cli import placement_for_launch
+from pipeline.steps.train.launch import placement_for_launch
+from pipeline.steps.train.loop import TrainConfig, train
 from pipeline.steps.train.offline import is_complete
-from pipeline.steps.train.train import TrainConfig, train
 
 HUB_ID = "eyrie-tests/tiny-llama"
 

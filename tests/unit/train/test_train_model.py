@@ -17,7 +17,7 @@ from pipeline.steps.eagle3.export import export_draft, load_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
 from pipeline.steps.shards import Example
 from pipeline.steps.train.features import OnlineTarget
-from pipeline.steps.train.train import simulated_acceptance
+from pipeline.steps.train.loop import simulated_acceptance
 
 
 def reference_ttt_attention(q, keys, values):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.steps.train import checkpoint as ckpt
-from pipeline.steps.train.train import resume
+from pipeline.steps.train.loop import resume
 
 
 def _resume_in_rank(rank: int, world: int, init_file: str, folders: list[str], out: str) -> None:

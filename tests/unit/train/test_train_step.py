@@ -173,7 +173,7 @@ def test_shards_of_another_vocabulary_are_a_one_line_error(small_run, tmp_path):
 
 
 def test_checkpoints_are_keyed_by_settings_and_data(small_run, tmp_path):
-    from pipeline.steps.train.train import TrainConfig, run_key
+    from pipeline.steps.train.loop import TrainConfig, run_key
 
     cfg = TrainConfig(data=small_run["data"], target=small_run["target"], out_dir=tmp_path)
     same = cfg.model_copy(update={"threads": 1, "eval_prompts": 3, "out_dir": tmp_path / "x"})

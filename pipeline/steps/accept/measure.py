@@ -62,7 +62,6 @@ from pipeline.steps.wrapper import language_config
 RESULT = "accept.json"
 EXIT_FAILED = 1
 Engine = Literal["sglang", "chain"]
-ENGINES = ("sglang", "chain")
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -100,22 +99,12 @@ class DecodingMismatch(RuntimeError):
 
 
 def check(settings: Settings) -> None:
-    if settings.engine not in ENGINES:
-        raise AcceptError(f"--engine {settings.engine!r}: choose one of {', '.join(ENGINES)}")
+    """The inputs: the draft, the rows, the target, and the draft made for it (the settings
+    themselves are checked as they are read, by ``config.AcceptConfig``)."""
     if not (settings.draft / "config.json").is_file():
         raise AcceptError(f"--draft {settings.draft} is not an exported draft (no config.json): run train")
     if not settings.data.exists():
         raise AcceptError(f"--data {settings.data} does not exist (run tokenize first)")
-    if settings.engine == "sglang" and settings.tp < 1:
-        raise AcceptError(f"--tp {settings.tp}: SGLang spans at least one GPU")
-    spec = settings.speculation
-    if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
-        raise AcceptError("--num-steps, --topk and --num-draft-tokens must each be at least 1")
-    if settings.engine == "chain" and spec.topk != 1:
-        raise AcceptError(
-            f"--engine chain drafts one chain: --topk 1 and --num-draft-tokens {spec.num_steps + 1} "
-            f"(--num-steps + 1), not --topk {spec.topk} --num-draft-tokens {spec.num_draft_tokens}"
-        )
     try:
         check_target(settings.target, "--target")
         target = language_config(target_config(settings.target, trust_remote_code=settings.trust_remote_code))
@@ -178,10 +167,14 @@ def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> 
             how = "with" if speculation else "without"
             console.print(f"accept: SGLang {how} the draft, {len(prompts)} prompts", markup=False)
             with sglang_server(
-                settings.target, logs / f"sglang-{name}.log", tp=settings.tp,
-                trust_remote_code=settings.trust_remote_code, parsers=settings.parsers,
-                speculation=speculation, startup_timeout_s=settings.startup_timeout_s,
-            ) as url:  # fmt: skip
+                settings.target,
+                logs / f"sglang-{name}.log",
+                tp=settings.tp,
+                trust_remote_code=settings.trust_remote_code,
+                parsers=settings.parsers,
+                speculation=speculation,
+                startup_timeout_s=settings.startup_timeout_s,
+            ) as url:
                 runs[name] = _server_run(url, prompts, settings)
     return runs["speculative"], runs["baseline"]
 
@@ -231,7 +224,7 @@ def _say(message: str) -> None:
     console.print(f"eyrie accept: {message}", markup=False, highlight=False)
 
 
-def accept(settings: Settings, out_dir: Path | None = None) -> int:
+def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     try:
         check(settings)
@@ -284,6 +277,7 @@ def accept(settings: Settings, out_dir: Path | None = None) -> int:
         f"accept ({settings.engine}): accept length {result['accept_length']}, "
         f"{result['output_tokens_per_s']} output tok/s with the draft, "
         f"{result['baseline_output_tokens_per_s']} without ({result['speedup']}x)",
-        markup=False, highlight=False,
-    )  # fmt: skip
+        markup=False,
+        highlight=False,
+    )
     return 0

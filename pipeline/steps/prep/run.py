@@ -275,7 +275,7 @@ def unreachable_hub(hub_sources: list[str]) -> str | None:
     return None
 
 
-def prep(
+def run_prep(
     catalog_path: Path | None,
     out_dir: Path | None = None,
     *,
@@ -293,19 +293,10 @@ def prep(
     ``quota``: at most that many records from each source (the catalog's own quotas when None).
     """
     try:
-        catalog = load_catalog(catalog_path)
-        if quota is not None:
-            catalog = catalog.capped(quota)
-        # Resolve every location up front: fail before any work.
-        locations = {source.name: source.location(catalog.base, offline) for source in catalog.sources}
-        try:
-            memory_per_worker = parse_size(worker_memory)
-        except ValueError as exc:
-            raise ValueError(f"--worker-memory: {exc}") from None
+        catalog, hub_sources, memory_per_worker = _checked_inputs(catalog_path, quota, offline, worker_memory)
     except (CatalogError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return EXIT_BAD_INPUT
-    hub_sources = [name for name, where in locations.items() if not Path(where).is_absolute()]
     unreachable = None if offline else unreachable_hub(hub_sources)
     if unreachable:
         console.print(f"[red]error:[/] {escape(unreachable)}", soft_wrap=True)
@@ -315,38 +306,14 @@ def prep(
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     seed = catalog.seed if seed is None else seed
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
-    step_dir.mkdir(parents=True, exist_ok=True)
-    invalidate_manifest(step_dir)
-    parts = step_dir / PARTS_DIR
-    shutil.rmtree(parts, ignore_errors=True)
-    parts.mkdir()
-
-    # A source without a quota can be read in slices by any number of workers.
-    open_ended = any(source.quota is None for source in catalog.sources)
-    count, facts = plan_workers(
-        sys.maxsize if open_ended else len(catalog.sources), memory_per_worker, workers
-    )
-    slices = plan_slices(catalog, count)
-    facts["slices"] = {name: n for name, n in slices.items() if n > 1}
-    sliced = "".join(f", {name} in {n} slices" for name, n in facts["slices"].items())
-    console.print(
-        f"prep: {len(catalog.sources)} sources, {count} at a time{sliced} "
-        f"(budget {format_size(facts['budget_available'])} from {facts['budget_binding']}, "
-        f"{format_size(memory_per_worker)} per worker, {facts['cpus']} CPUs)",
-        markup=False,
-    )
+    parts = _empty_parts_dir(step_dir)
+    count, slices, facts = _plan_parallel(catalog, memory_per_worker, workers)
     results = run_sources(catalog, parts, offline, count, slices, probe_rows)
 
     failed = [r for r in results if r.error or not r.accepted]
     if failed:
-        console.print(counts_table(results))
-        for r in failed:
-            reason = r.error or f"source {r.name!r}: 0 records accepted out of {r.read} read"
-            console.print(f"[red]error:[/] {escape(reason)}", soft_wrap=True)
         shutil.rmtree(parts, ignore_errors=True)
-        console.print(f"[red]prep failed:[/] {len(failed)} of {len(results)} sources; no output written")
-        # Bad input (2) when every failed source is the catalog's or its data's to fix.
-        return 1 if any(r.error and not r.bad_input for r in failed) else 2
+        return _report_failed(results, failed)
 
     records = {
         PROMPTS: merge_jsonl(results, "prompts", step_dir / PROMPTS, seed),
@@ -354,11 +321,7 @@ def prep(
         NATIVE_TOKENIZED: merge_tokenized(results, step_dir / NATIVE_TOKENIZED),
     }
     shutil.rmtree(parts, ignore_errors=True)
-    console.print(counts_table(results))
-    for source, r in zip(catalog.sources, results, strict=True):  # results are in catalog order
-        if r.unknown_roles:
-            lost, hint = sum(r.unknown_roles.values()), unknown_roles_hint(source, r.unknown_roles)
-            console.print(f"[yellow]warning:[/] source {r.name!r}: {lost} rows rejected: {escape(hint)}")
+    _report_done(catalog, results)
     write_manifest(
         step_dir,
         OUTPUTS,
@@ -375,3 +338,73 @@ def prep(
         f"{records[NATIVE_TOKENIZED]} native tokenized rows -> {step_dir}"
     )
     return 0
+
+
+def _checked_inputs(
+    catalog_path: Path | None, quota: int | None, offline: bool, worker_memory: str
+) -> tuple[Catalog, list[str], int]:
+    """The catalog (capped at ``quota``), the names of its sources read from the hub, and the memory
+    per worker; raises CatalogError or ValueError before any work starts."""
+    catalog = load_catalog(catalog_path)
+    if quota is not None:
+        catalog = catalog.capped(quota)
+    # Resolve every location up front: fail before any work.
+    locations = {source.name: source.location(catalog.base, offline) for source in catalog.sources}
+    try:
+        memory_per_worker = parse_size(worker_memory)
+    except ValueError as exc:
+        raise ValueError(f"--worker-memory: {exc}") from None
+    hub_sources = [name for name, where in locations.items() if not Path(where).is_absolute()]
+    return catalog, hub_sources, memory_per_worker
+
+
+def _empty_parts_dir(step_dir: Path) -> Path:
+    """The step dir, its manifest gone, with an empty folder for the sources' parts."""
+    step_dir.mkdir(parents=True, exist_ok=True)
+    invalidate_manifest(step_dir)
+    parts = step_dir / PARTS_DIR
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir()
+    return parts
+
+
+def _plan_parallel(
+    catalog: Catalog, memory_per_worker: int, workers: int | None
+) -> tuple[int, dict[str, int], dict]:
+    """How many workers, each source's slices, and the facts they were planned from (said, and kept
+    for the manifest)."""
+    # A source without a quota can be read in slices by any number of workers.
+    open_ended = any(source.quota is None for source in catalog.sources)
+    count, facts = plan_workers(
+        sys.maxsize if open_ended else len(catalog.sources), memory_per_worker, workers
+    )
+    slices = plan_slices(catalog, count)
+    facts["slices"] = {name: n for name, n in slices.items() if n > 1}
+    sliced = "".join(f", {name} in {n} slices" for name, n in facts["slices"].items())
+    console.print(
+        f"prep: {len(catalog.sources)} sources, {count} at a time{sliced} "
+        f"(budget {format_size(facts['budget_available'])} from {facts['budget_binding']}, "
+        f"{format_size(memory_per_worker)} per worker, {facts['cpus']} CPUs)",
+        markup=False,
+    )
+    return count, slices, facts
+
+
+def _report_failed(results: list[SourceResult], failed: list[SourceResult]) -> int:
+    """Say why each failed source failed; returns the step's exit code."""
+    console.print(counts_table(results))
+    for r in failed:
+        reason = r.error or f"source {r.name!r}: 0 records accepted out of {r.read} read"
+        console.print(f"[red]error:[/] {escape(reason)}", soft_wrap=True)
+    console.print(f"[red]prep failed:[/] {len(failed)} of {len(results)} sources; no output written")
+    # Bad input (2) when every failed source is the catalog's or its data's to fix.
+    return 1 if any(r.error and not r.bad_input for r in failed) else 2
+
+
+def _report_done(catalog: Catalog, results: list[SourceResult]) -> None:
+    """The counts, and a warning for each source that lost rows to roles it does not map."""
+    console.print(counts_table(results))
+    for source, r in zip(catalog.sources, results, strict=True):  # results are in catalog order
+        if r.unknown_roles:
+            lost, hint = sum(r.unknown_roles.values()), unknown_roles_hint(source, r.unknown_roles)
+            console.print(f"[yellow]warning:[/] source {r.name!r}: {lost} rows rejected: {escape(hint)}")

@@ -102,9 +102,18 @@ class DraftLoss(nn.Module):
 # Settings that do not change what is trained: a resume may change them. The three placements
 # train the same draft, so a run may resume under another. The precision counts as resolved.
 _NOT_TRAINING = {
-    "out_dir", "log_every", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "threads",
-    "target_placement", "features_dir", "trust_remote_code", "release_target", "precision",
-}  # fmt: skip
+    "out_dir",
+    "log_every",
+    "checkpoint_every",
+    "eval_prompts",
+    "eval_max_new_tokens",
+    "threads",
+    "target_placement",
+    "features_dir",
+    "trust_remote_code",
+    "release_target",
+    "precision",
+}
 
 
 def _files_key(root: Path, pattern: str) -> list[tuple[str, int, int]]:
@@ -241,10 +250,17 @@ class Setup:
 
 
 def plan_for(
-    cfg: TrainConfig, config, draft: Eagle3Draft, dtype: torch.dtype, world: int, longest: int,
-    devices: list[Device] | None = None, placement: str | None = None, draft_needs: int | None = None,
+    cfg: TrainConfig,
+    config,
+    draft: Eagle3Draft,
+    dtype: torch.dtype,
+    world: int,
+    longest: int,
+    devices: list[Device] | None = None,
+    placement: str | None = None,
+    draft_needs: int | None = None,
     features_pass: bool = True,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The placement plan of this training: the target's modules, the draft's needs, the devices.
 
     Batches are sized at their widest: ``batch_size`` rows of the ``longest`` row's length.
@@ -460,20 +476,9 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, warmup))
 
-    settings = run_settings(cfg, world)
+    trained = _Trained(draft, optimizer, scheduler)
     folder = cfg.out_dir / "checkpoints" / run_key(cfg, world)
-    start, state = resume(folder, rank, world, local)
-    if rank == 0:
-        if not start:
-            for line in other_trainings(folder, settings):
-                log(line)
-        if not (folder / RUN_SETTINGS).is_file():
-            atomic_write_text(folder / RUN_SETTINGS, json.dumps(settings, indent=2) + "\n")
-    if state is not None:
-        ckpt.restore(draft, state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        log(f"resumed from step {start} of {total}")
+    start = _resume_or_start(cfg, folder, rank, world, local, trained, total, log)
 
     module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk)
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
@@ -499,40 +504,87 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
                 log(f"step {done}/{total} loss {last['loss']:.3f} acc {accs} lr {lr:.2e}")
         if done % cfg.checkpoint_every == 0 or done == total:
             if rank == 0:
-                ckpt.save(
-                    folder,
-                    done,
-                    {
-                        "draft": ckpt.trained_state(draft),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                    },
-                    {"total_steps": total, "world_size": world},
-                )
+                ckpt.save(folder, done, trained.state(), {"total_steps": total, "world_size": world})
             if world > 1:
                 dist.barrier()
     elapsed = time.monotonic() - started
-    summary = {
-        "optimizer_steps": total,
-        "resumed_from_step": start,
-        "world_size": world,
-        "train_rows": len(train_rows),
-        "heldout_rows": len(heldout),
-        "draft_vocab_size": int(draft.d2t.shape[0]),
-        "layer_ids": list(source.layer_ids),
-        "tokens_per_s_this_run": round(tokens_seen * world / elapsed, 1) if elapsed else None,
-        "precision": setup.precision,
-        "attention": built.target.config._attn_implementation if built.target is not None else None,
-        "final": last,
-        "target_placement": setup.plan.as_dict(),
-    }
+    tokens_per_s = round(tokens_seen * world / elapsed, 1) if elapsed else None
     return {
-        "summary": summary,
+        "summary": _summary(built, total, start, world, tokens_per_s, last),
         "target": built.target,
         "draft": draft,
         "heldout": heldout,
         "rank": rank,
         "built": built,
+    }
+
+
+@dataclass
+class _Trained:
+    """What a checkpoint keeps of a training: the draft, its optimizer and its learning-rate schedule."""
+
+    draft: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def state(self) -> dict:
+        return {
+            "draft": ckpt.trained_state(self.draft),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def restore(self, state: dict) -> None:
+        ckpt.restore(self.draft, state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _resume_or_start(
+    cfg: TrainConfig,
+    folder: Path,
+    rank: int,
+    world: int,
+    local: torch.device,
+    trained: _Trained,
+    total: int,
+    log,
+) -> int:
+    """The step training starts from: that of rank 0's newest checkpoint in ``folder``, restored into
+    ``trained``, or 0. Rank 0 records the training's settings beside its checkpoints and, starting
+    afresh, names the other trainings there."""
+    settings = run_settings(cfg, world)
+    start, state = resume(folder, rank, world, local)
+    if rank == 0:
+        if not start:
+            for line in other_trainings(folder, settings):
+                log(line)
+        if not (folder / RUN_SETTINGS).is_file():
+            atomic_write_text(folder / RUN_SETTINGS, json.dumps(settings, indent=2) + "\n")
+    if state is not None:
+        trained.restore(state)
+        log(f"resumed from step {start} of {total}")
+    return start
+
+
+def _summary(
+    built: Built, total: int, start: int, world: int, tokens_per_s: float | None, last: dict
+) -> dict:
+    """The run's summary (what eval.json and the manifest report of the training)."""
+    setup = built.setup
+    return {
+        "optimizer_steps": total,
+        "resumed_from_step": start,
+        "world_size": world,
+        "train_rows": len(setup.train_rows),
+        "heldout_rows": len(setup.heldout),
+        "draft_vocab_size": int(built.draft.d2t.shape[0]),
+        "layer_ids": list(built.source.layer_ids),
+        "tokens_per_s_this_run": tokens_per_s,
+        "precision": setup.precision,
+        "attention": built.target.config._attn_implementation if built.target is not None else None,
+        "final": last,
+        "target_placement": setup.plan.as_dict(),
     }
 
 

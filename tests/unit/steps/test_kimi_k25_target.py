@@ -19,8 +19,8 @@ from pipeline.steps.quantized import PACKED_EXPERTS, PackedLinear
 from pipeline.steps.target import load_model, target_config
 from pipeline.steps.train.cli import check_inputs, worker
 from pipeline.steps.train.features import OnlineTarget
+from pipeline.steps.train.loop import TrainConfig
 from pipeline.steps.train.placement import target_units
-from pipeline.steps.train.train import TrainConfig
 
 pytest.importorskip("compressed_tensors", reason="the `quantized` extra is not installed")
 from tests.fixtures.kimi_k25 import build_tiny_kimi  # noqa: E402

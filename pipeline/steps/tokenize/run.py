@@ -172,9 +172,13 @@ class Rows:
         entry.rejected[reason] += 1
 
     def keep(
-        self, record: Record, ids: list[int], mask: list[int], in_pieces: bool = False,
+        self,
+        record: Record,
+        ids: list[int],
+        mask: list[int],
+        in_pieces: bool = False,
         by_prefix: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Truncated to ``max_length``; a row left with no assistant token is rejected."""
         source = record.source
         entry = self.counts.setdefault(source, Counts())
@@ -719,7 +723,7 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
-def tokenize(
+def run_tokenize(
     target: str,
     conversations: list[Path],
     tokenized: list[Path],
@@ -734,17 +738,7 @@ def tokenize(
 ) -> int:
     """Run the step; returns the exit code. ``target``: a model folder or a hub id."""
     try:
-        try:
-            per_worker = parse_size(worker_memory)
-        except ValueError as exc:
-            raise TokenizeError(f"--worker-memory: {exc}") from None
-        missing = [str(p) for p in [*conversations, *tokenized] if not Path(p).is_file()]
-        if missing:
-            raise TokenizeError(
-                f"input file(s) {', '.join(missing)} do not exist; run the steps that make them"
-            )
-        if not conversations and not tokenized:
-            raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
+        per_worker = _checked_inputs(conversations, tokenized, worker_memory)
         encoder = Tokenizer(target, chat_template, trust_remote_code)
         checked = encoder.check_against_own(
             line for path in conversations for line in islice(read_lines(path), CHECKED_CONVERSATIONS)
@@ -756,25 +750,8 @@ def tokenize(
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     invalidate_manifest(step_dir)
-    if encoder.converted is not None:
-        console.print(
-            f"tokenize: the target's tiktoken tokenizer as a fast one ({encoder.converted}), the same "
-            f"tokens as its own on the first {checked} conversation(s)",
-            markup=False,
-        )
-    if not encoder.template.markers:
-        console.print(
-            f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "
-            "spans come from each message rendered after the one before it, checked against the whole "
-            "(a conversation that does not render so takes its rendered prefixes: the manifest counts them)",
-            markup=False,
-        )
+    _say_how_it_tokenizes(encoder, checked)
     per_source: dict[str, Counts] = {}
-
-    def count(counts: dict[str, Counts]) -> None:
-        for source, entry in counts.items():
-            per_source.setdefault(source, Counts()).add(entry)
-
     progress = Progress(
         TextColumn("tokenize"),
         BarColumn(),
@@ -785,26 +762,9 @@ def tokenize(
         transient=True,
     )
     try:
-        with encoders, progress, atomic_path(step_dir / SHARDS) as tmp:
-            tmp.mkdir()
-            writer = ShardWriter(tmp, shard_rows)
-            task = progress.add_task("conversations", total=None)
-            try:
-                for path in conversations:
-                    progress.update(task, description=str(path.name))
-                    for table, counts in encoders.map(_batches(read_lines(path), BATCH), max_length):
-                        writer.write(table)
-                        count(counts)
-                        progress.advance(task, sum(c.conversations for c in counts.values()))
-                for path in tokenized:
-                    progress.update(task, description=str(path.name))
-                    for table, counts in _pass_through(path, encoder.vocab_size, max_length):
-                        writer.write(table)
-                        count(counts)
-            finally:
-                writer.close()
-            if writer.rows == 0:
-                raise TokenizeError("no conversation produced a row with assistant tokens; see the counts")
+        with encoders, progress:
+            tables = _tables(encoders, conversations, tokenized, max_length, progress)
+            writer = _write_shards(tables, step_dir / SHARDS, shard_rows, per_source)
     except TokenizeError as exc:
         _print_counts(per_source)
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
@@ -813,9 +773,6 @@ def tokenize(
     totals = Counts()
     for entry in per_source.values():
         totals.add(entry)
-    method = encoder.template.method
-    if totals.prefix_rendered:
-        method = "prefix_render" if totals.prefix_rendered == totals.rows else f"{method}+prefix_render"
     tokenizer_stats = {"converted": str(encoder.converted), "checked_conversations": checked}
     write_manifest(
         step_dir,
@@ -823,7 +780,7 @@ def tokenize(
         records={SHARDS: writer.rows},
         stats={
             "chat_template": encoder.template.name,
-            "mask_method": method,
+            "mask_method": _mask_method(encoder.template, totals),
             **({"tokenizer": tokenizer_stats} if encoder.converted is not None else {}),
             "max_length": max_length,
             "shards": writer.shards,
@@ -837,6 +794,83 @@ def tokenize(
         f"{totals.truncated} truncated, {writer.shards} shard(s) -> {step_dir / SHARDS}"
     )
     return 0
+
+
+def _checked_inputs(conversations: list[Path], tokenized: list[Path], worker_memory: str) -> int:
+    """The memory per worker; raises TokenizeError for a bad ``--worker-memory`` or input file list."""
+    try:
+        per_worker = parse_size(worker_memory)
+    except ValueError as exc:
+        raise TokenizeError(f"--worker-memory: {exc}") from None
+    missing = [str(p) for p in [*conversations, *tokenized] if not Path(p).is_file()]
+    if missing:
+        raise TokenizeError(f"input file(s) {', '.join(missing)} do not exist; run the steps that make them")
+    if not conversations and not tokenized:
+        raise TokenizeError("nothing to tokenize: pass --conversations and/or --tokenized files")
+    return per_worker
+
+
+def _say_how_it_tokenizes(encoder: Tokenizer, checked: int) -> None:
+    """What is not the plain case: a converted tokenizer, spans found without generation markers."""
+    if encoder.converted is not None:
+        console.print(
+            f"tokenize: the target's tiktoken tokenizer as a fast one ({encoder.converted}), the same "
+            f"tokens as its own on the first {checked} conversation(s)",
+            markup=False,
+        )
+    if not encoder.template.markers:
+        console.print(
+            f"tokenize: chat template {encoder.template.name!r} has no {{% generation %}} markers; assistant "
+            "spans come from each message rendered after the one before it, checked against the whole "
+            "(a conversation that does not render so takes its rendered prefixes: the manifest counts them)",
+            markup=False,
+        )
+
+
+def _tables(
+    encoders: Encoders, conversations: list[Path], tokenized: list[Path], max_length: int, progress: Progress
+) -> Iterator[tuple[Any, dict[str, Counts]]]:
+    """The rows of every conversation file tokenized, then of every pre-tokenized file checked, as
+    tables and their counts, in order."""
+    task = progress.add_task("conversations", total=None)
+    for path in conversations:
+        progress.update(task, description=str(path.name))
+        for table, counts in encoders.map(_batches(read_lines(path), BATCH), max_length):
+            yield table, counts
+            progress.advance(task, sum(c.conversations for c in counts.values()))
+    for path in tokenized:
+        progress.update(task, description=str(path.name))
+        yield from _pass_through(path, encoders.tokenizer.vocab_size, max_length)
+
+
+def _write_shards(
+    tables: Iterable[tuple[Any, dict[str, Counts]]],
+    shards: Path,
+    shard_rows: int,
+    per_source: dict[str, Counts],
+) -> ShardWriter:
+    """The tables into the ``shards`` folder, whole or not at all, their counts added to ``per_source``
+    as they come; raises TokenizeError when no row is kept."""
+    with atomic_path(shards) as tmp:
+        tmp.mkdir()
+        writer = ShardWriter(tmp, shard_rows)
+        try:
+            for table, counts in tables:
+                writer.write(table)
+                for source, entry in counts.items():
+                    per_source.setdefault(source, Counts()).add(entry)
+        finally:
+            writer.close()
+        if writer.rows == 0:
+            raise TokenizeError("no conversation produced a row with assistant tokens; see the counts")
+    return writer
+
+
+def _mask_method(template: ChatTemplate, totals: Counts) -> str:
+    """The template's method, with ``prefix_render`` where some or all spans took it."""
+    if not totals.prefix_rendered:
+        return template.method
+    return "prefix_render" if totals.prefix_rendered == totals.rows else f"{template.method}+prefix_render"
 
 
 def _pass_through(path: Path, vocab_size: int, max_length: int) -> Iterator[tuple[Any, dict[str, Counts]]]:

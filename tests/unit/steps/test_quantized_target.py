@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.quantized import PackedLinear
 from pipeline.steps.target import load_model
-from pipeline.steps.train.train import TrainConfig, train
+from pipeline.steps.train.loop import TrainConfig, train
 
 pytest.importorskip("compressed_tensors", reason="the `quantized` extra is not installed")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
