@@ -137,8 +137,10 @@ def version_line() -> str:
     if (CHECKOUT / ".git").exists():
         described = subprocess.run(
             ["git", "-C", str(CHECKOUT), "describe", "--always", "--dirty"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if described.returncode == 0:
             line += f" (commit {described.stdout.strip()})"
     return line
@@ -206,9 +208,7 @@ def run(
     run_dir: RunDir = DEFAULT_RUN_DIR,
     executor: Annotated[
         str,
-        typer.Option(
-            metavar="|".join(EXECUTORS), help="Where steps run (local: a cgroup per step here)."
-        ),
+        typer.Option(metavar="|".join(EXECUTORS), help="Where steps run (local: a cgroup per step here)."),
     ] = "local",
     check: Annotated[
         bool,

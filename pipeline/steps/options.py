@@ -68,9 +68,7 @@ ReleaseTarget = Annotated[
         callback=_release_target,
     ),
 ]
-OutDir = Annotated[
-    Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")
-]
+OutDir = Annotated[Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +196,9 @@ def _option(name: str, field: FieldInfo, model: type[BaseModel]) -> inspect.Para
     metavar = cli.metavar or ("A,B,C" if _is_list(field) else None)
     info = typer.Option(flags, help=field.description, metavar=metavar, envvar=cli.envvar, **reading)
     optional = kind | None if default is None else kind
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[optional, info])  # fmt: skip
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[optional, info]
+    )
 
 
 def _given(ctx: typer.Context, name: str) -> bool:

@@ -1,5 +1,6 @@
 """DESIGN.md's layers, read from the imports: arrows point down only, a step knows nothing about
-executors, and an executor nothing about steps."""
+executors, and an executor nothing about steps; no import circle, and no function longer than a
+reader holds at once."""
 
 from __future__ import annotations
 
@@ -129,3 +130,28 @@ def test_no_import_circle_among_our_modules():
     graph = modules()
     circles = {circle for start in graph if (circle := circle_through(start, graph))}
     assert not circles, "\n".join(" -> ".join((*c, c[0])) for c in sorted(circles))
+
+
+LONGEST_FUNCTION = 80  # lines: what a reader holds at once
+
+
+def long_functions(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONGEST_FUNCTION:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_function_is_longer_than_a_reader_holds():
+    assert not long_functions(PACKAGE), "\n".join(long_functions(PACKAGE))
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST_FUNCTION))
+    (tmp_path / "pkg" / "long.py").write_text(f"def long():\n{body}\n")
+    assert long_functions(tmp_path / "pkg") == [f"pkg/long.py:1 long: {LONGEST_FUNCTION + 1} lines"]

@@ -69,11 +69,20 @@ class AcceptConfig(BaseModel):
     def settings(self, *, trust_remote_code: bool, release_target: str | None) -> Settings:
         """What ``run_accept`` runs with: these settings, with the permissions the command grants."""
         return Settings(
-            draft=self.draft, target=self.target, data=self.data, engine=self.engine,
+            draft=self.draft,
+            target=self.target,
+            data=self.data,
+            engine=self.engine,
             speculation=Speculation(self.draft, self.num_steps, self.topk, self.num_draft_tokens),
-            heldout_fraction=self.heldout_fraction, max_length=self.max_length, prompts=self.prompts,
-            max_new_tokens=self.max_new_tokens, concurrency=self.concurrency, tp=self.tp,
-            trust_remote_code=trust_remote_code, release_target=release_target,
-            startup_timeout_s=self.startup_timeout_s, request_timeout_s=self.request_timeout_s,
+            heldout_fraction=self.heldout_fraction,
+            max_length=self.max_length,
+            prompts=self.prompts,
+            max_new_tokens=self.max_new_tokens,
+            concurrency=self.concurrency,
+            tp=self.tp,
+            trust_remote_code=trust_remote_code,
+            release_target=release_target,
+            startup_timeout_s=self.startup_timeout_s,
+            request_timeout_s=self.request_timeout_s,
             parsers=Parsers(self.reasoning_parser, self.tool_call_parser),
-        )  # fmt: skip
+        )

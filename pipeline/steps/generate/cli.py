@@ -75,18 +75,24 @@ def generate(
         say_error(str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from None
     config = validated(
-        GenerateConfig, **settings, prompts=prompts.resolve(), urls=urls, api_key=api_key,
+        GenerateConfig,
+        **settings,
+        prompts=prompts.resolve(),
+        urls=urls,
+        api_key=api_key,
         out_dir=(out_dir or step_dir_from_env()).resolve(),
-    )  # fmt: skip
+    )
     with contextlib.ExitStack() as stack:
         if serve is not None:
             log = config.out_dir / "serve.log"
             try:
                 served = stack.enter_context(
                     transformers_serve(
-                        serve, log, startup_timeout_s=config.health_timeout_s,
+                        serve,
+                        log,
+                        startup_timeout_s=config.health_timeout_s,
                         continuous_batching=continuous_batching,
-                    )  # fmt: skip
+                    )
                 )
             except ServeError as exc:
                 say_error(str(exc))

@@ -33,7 +33,11 @@ def tokenize(
     config = validated(TokenizeConfig, **settings)
     raise typer.Exit(
         run_tokenize(
-            tokenizer, conversations or [], tokenized or [], out_dir, **config.model_dump(),
+            tokenizer,
+            conversations or [],
+            tokenized or [],
+            out_dir,
+            **config.model_dump(),
             trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+        )
     )
