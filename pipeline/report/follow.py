@@ -80,8 +80,9 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
     now = time.time()
     run_id = run["run_id"]
     states = ledger.step_states(run_id)
-    latest = {row.step: row for row in ledger.attempts_of(run_id)}  # oldest first: the last one stays
+    latest = {row.label: row for row in ledger.attempts_of(run_id)}  # oldest first: the last one stays
     names = json.loads(run["steps"]) or list(latest)  # a build lists its compile jobs as they come
+    names += [label for label, row in latest.items() if row.replica is not None]  # services, once started
     reservations = ledger.reservations()
     steps, reserved = [], 0
     for name in names:

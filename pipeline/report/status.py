@@ -112,7 +112,7 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
         verdict = item.verdict or f"running ({f'pid {item.pid}' if item.pid else item.location})"
         style = VERDICT_STYLE.get(item.verdict or "", "cyan")
         table.add_row(
-            item.step,
+            item.label,
             str(item.attempt),
             f"[{style}]{verdict}[/]",
             exit_text(item),

@@ -94,7 +94,10 @@ def run_command(
         for problem in problems:
             say_error(problem)
         if not problems:
-            console.print(f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s)", highlight=False)
+            services = f", {len(spec.services)} service(s)" if spec.services else ""
+            console.print(
+                f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s){services}", highlight=False
+            )
         return 2 if problems else 0
 
     def cancel(signum: int, _frame: object) -> None:

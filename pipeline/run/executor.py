@@ -15,6 +15,7 @@ the help text all read this one table.
 from __future__ import annotations
 
 import importlib
+import json
 import signal as signals
 import threading
 from collections.abc import Callable
@@ -128,6 +129,23 @@ class Outcome:
     def oom_kills(self) -> int:
         return self.oom_kills_after - self.oom_kills_before
 
+    def ledger_fields(self, records: int | None = None) -> dict[str, Any]:
+        """These facts as the ledger's attempt row holds them (``records``: what its manifest counted)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "anon_peak_bytes": self.anon_peak_bytes,
+            "oom_kills": self.oom_kills,
+            "oom_kills_before": self.oom_kills_before,
+            "oom_kills_after": self.oom_kills_after,
+            "oom_at": self.oom_at,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "records": records,
+            "stderr_tail": json.dumps(self.stderr_tail),
+        }
+
     @property
     def signal_name(self) -> str | None:
         if self.signal is None:
@@ -182,6 +200,10 @@ class Executor(Protocol):
         """The memory the steps this executor starts share (what running steps' limits must fit);
         given a step's ``options``, what that step can have (a Slurm step: the largest node of its
         own partition)."""
+
+    service_host: Callable[[RunningAttempt], str] | None
+    """Where a service's replica this executor started is reached: the host of its URL (its port is
+    the one the runner chose). None when this executor does not run services."""
 
     host_memory: Callable[[], Budget] | None
     """What the run's host samples read, four times a second: the memory its running steps share, as

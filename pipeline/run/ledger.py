@@ -141,8 +141,8 @@ _ADDED_COLUMNS = {
         # the runner's last sign of life in a second it wrote no host sample (one row a second)
         "heartbeat_at": "REAL",
     },
-    # JSON list: the outputs the step declared
-    "attempts": {"outputs": "TEXT"},
+    # JSON list: the outputs the step declared; replica: which replica of a service (NULL: a step)
+    "attempts": {"outputs": "TEXT", "replica": "INTEGER"},
     # what `available` is left of: the limit of the cgroup that bound it, else MemTotal
     "host_samples": {"capacity": "INTEGER"},
 }
@@ -220,9 +220,20 @@ class AttemptRow:
         recorded = self.data.get("outputs")
         return None if recorded is None else json.loads(recorded)
 
+    @property
+    def replica(self) -> int | None:
+        """Which replica of a service this attempt was; None for a step's."""
+        return self.data.get("replica")
+
+    @property
+    def label(self) -> str:
+        """How it is named where attempts are listed: its step, or its service and replica (``target[1]``)."""
+        return self.step if self.replica is None else f"{self.step}[{self.replica}]"
+
     def as_json(self) -> dict[str, Any]:
         out = {k: self.data[k] for k in ATTEMPT_JSON_FIELDS}
         out["outputs"] = self.outputs
+        out["replica"] = self.replica
         out["wall_s"] = self.wall_s
         out["stderr_tail"] = json.loads(self.data["stderr_tail"] or "[]")
         out["argv"] = json.loads(self.data["argv"])
@@ -350,14 +361,16 @@ class Ledger:
         image: str | None,
         commit_id: str | None,
         outputs: list[str] | None = None,
+        replica: int | None = None,
     ) -> int:
         """``host_mem_*``: the memory the step's executor saw at its start (None: it runs on a machine
         this one does not see); ``outputs``: what the step declares it writes (None: it declares
-        nothing, as a compile job)."""
+        nothing, as a compile job); ``replica``: which replica of a service this is (None: a step)."""
         cursor = self._write(
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
-            " commit_id, argv, outputs) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " commit_id, argv, outputs, replica)"
+            " VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 run_id,
                 step,
@@ -373,6 +386,7 @@ class Ledger:
                 commit_id,
                 json.dumps(argv),
                 None if outputs is None else json.dumps(outputs),
+                replica,
             ),
         )
         return int(cursor.lastrowid)

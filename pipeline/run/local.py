@@ -118,6 +118,11 @@ class LocalExecutor:
 
     host_memory = memory_budget
 
+    @staticmethod
+    def service_host(handle: object) -> str:
+        """A replica is a process on this host: reached on its loopback."""
+        return "127.0.0.1"
+
     def reap(self, where: str, pid: int | None, started_at: float) -> int:
         """Kill what is left in the attempt's cgroup, at the path recorded (the runner that starts
         again may run in another cgroup: another SSH session, another systemd scope); where that

@@ -39,15 +39,18 @@ from pipeline.run.fingerprint import check_up_to_date, step_fingerprint
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import LEDGER_NAME, Ledger, RunState, StepState
-from pipeline.run.recovery import close_orphans, lock_run_dir
+from pipeline.run.recovery import Resumed, close_orphans, lock_run_dir
 from pipeline.run.retry_limit import next_limit
+from pipeline.run.services import AdoptedReplica, Services, ServiceState, check_placement, service_argv
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
 from pipeline.run.step_contract import (
     FINGERPRINT_ENV,
     MANIFEST_NAME,
+    SERVICE_PORT_ENV,
     check_manifest,
     invalidate_manifest,
     read_manifest,
+    service_urls_env,
     write_manifest,
 )
 from pipeline.run.step_inputs import check_inputs, check_program, expand_command, runner_env
@@ -169,6 +172,7 @@ class Orchestrator:
         self._pool = 0
         self._steps: dict[str, _StepRun] = {}
         self._step_budgets: dict[str, Budget] = {}
+        self._services: Services | None = None
         self._started = False
         """Whether the run began (its ledger holds it), past the checks that refuse it."""
 
@@ -203,10 +207,10 @@ class Orchestrator:
         return made
 
     def check(self, eyrie_problem: Callable[[list[str]], str | None]) -> list[str]:
-        """What ``eyrie run --check`` finds wrong in the steps' commands, one line per problem, with
-        nothing made or run (the file's keys and its needs were checked as it was read): a variable
-        the runner cannot fill, a program not found, and, for an ``eyrie`` command, what
-        ``eyrie_problem`` says its options lack."""
+        """What ``eyrie run --check`` finds wrong in the steps' and services' commands, one line per
+        problem, with nothing made or run (the file's keys and its needs were checked as it was
+        read): a variable the runner cannot fill, a program not found, and, for an ``eyrie``
+        command, what ``eyrie_problem`` says its options lack."""
         problems = []
         for step in self.spec.order():
             try:
@@ -218,6 +222,19 @@ class Orchestrator:
                 continue
             if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
                 problems.append(f"{self.pipeline_path}: steps ({step.name}).command: {problem}")
+        for service in (s for s in self.spec.services if not s.external):
+            variables = {
+                **runner_env(self.pipeline_path, self.run_dir, service),
+                SERVICE_PORT_ENV: "1",
+                **service.env,
+            }
+            try:
+                argv = service_argv(self.pipeline_path, service, variables)
+            except PipelineError as exc:
+                problems.append(str(exc))
+                continue
+            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
+                problems.append(f"{self.pipeline_path}: services ({service.name}).command: {problem}")
         return problems
 
     def cancel(self) -> None:
@@ -226,7 +243,7 @@ class Orchestrator:
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> RunResult:
-        resumed = close_orphans(
+        found = close_orphans(
             self._ledger,
             self.spec,
             self.pipeline_path,
@@ -252,12 +269,47 @@ class Orchestrator:
             binding,
             host_sampled=self.executor.host_memory is not None,
         )
+        self._services = Services(
+            self.spec.services,
+            pipeline_path=self.pipeline_path,
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            executor=self.executor,
+            ledger=self._ledger,
+            options=lambda name: self.spec.executor_options(self.executor.name, name),
+            reporter=self.reporter,
+            commit=self.commit,
+            adopted=[f for f in found if isinstance(f, AdoptedReplica)],
+        )
         host = HostSampler(self._ledger, self.run_id, self.executor.host_memory).start()
         steps = f"{len(ordered)} step" + ("s" if len(ordered) != 1 else "")
+        if services := len(self.spec.services):
+            steps += f", {services} service" + ("s" if services != 1 else "")
         self.reporter.note(
             f"run {self.run_id}: {steps}, budget {format_size(self._pool)} (set by {binding}), "
             f"executor {self.executor.name}"
         )
+        self._watch_resumed([f for f in found if isinstance(f, Resumed)])
+        for name in self._services.adopted():  # go on serving what a dead runner left, while needed
+            self._services.start(name)
+        self._retire_unused_services()
+        try:
+            self._loop()
+        except BaseException as exc:
+            # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
+            self._stop_on_error(f"the run stopped on an error: {exc}")
+            self._services.stop_all("the run stopped on an error")
+            host.stop()
+            self._ledger.end_run(self.run_id, RunState.FAILED)
+            raise
+        run_state = self._final_state()
+        self._services.stop_all("the run ended", cancelled=self._cancel.is_set())
+        host.stop()
+        self._ledger.end_run(self.run_id, run_state)
+        return RunResult(self.run_id, run_state)
+
+    def _watch_resumed(self, resumed: list[Resumed]) -> None:
+        """Wait again for the attempts a dead runner left that their executor found again."""
         for orphan in resumed:
             step = self._steps[orphan.step.name]
             step.attempts, step.limit = 1, orphan.launch.limit_bytes
@@ -274,27 +326,18 @@ class Orchestrator:
                     orphan.detached,
                 )
             )
-        try:
-            self._loop()
-        except BaseException as exc:
-            # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
-            self._stop_on_error(f"the run stopped on an error: {exc}")
-            host.stop()
-            self._ledger.end_run(self.run_id, RunState.FAILED)
-            raise
+
+    def _final_state(self) -> RunState:
+        """How the run ended, once nothing runs; a step still pending was cancelled before it started."""
         for step in self._steps.values():
             if step.state == StepState.PENDING:  # only when cancelled before it could start
                 self._drop_unsubmitted(step, "the run was cancelled")
                 self._finish(step, StepState.CANCELLED, "cancelled: the run was cancelled before it started")
         if self._cancel.is_set():
-            run_state = RunState.CANCELLED
-        elif all(s.state in SETTLED_STATES for s in self._steps.values()):
-            run_state = RunState.SUCCEEDED
-        else:
-            run_state = RunState.FAILED
-        host.stop()
-        self._ledger.end_run(self.run_id, run_state)
-        return RunResult(self.run_id, run_state)
+            return RunState.CANCELLED
+        if all(s.state in SETTLED_STATES for s in self._steps.values()):
+            return RunState.SUCCEEDED
+        return RunState.FAILED
 
     def _check_before_start(self, binding: str, argvs: dict[str, list[str]]) -> None:
         """Refuse, before anything starts, what cannot run: a limit above the pool, a missing input,
@@ -310,6 +353,7 @@ class Orchestrator:
                     f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
                     f"exceeds the {format_size(pool)} {where} (set by {by}); lower it or free memory"
                 )
+        check_placement(self.spec, self.pipeline_path, self.executor, self._pool, binding)
         for step in self.spec.steps:
             check_inputs(self.spec, self.pipeline_path, self.run_dir, step)
             if self.executor.runs_here:
@@ -332,7 +376,9 @@ class Orchestrator:
         """Start what is ready, then settle each attempt as it ends, until none runs."""
         stopping = False
         self._start_ready()
-        while self._running or (self._unsubmitted() and not self._cancel.is_set()):
+        while self._running or (
+            (self._unsubmitted() or self._services.starting()) and not self._cancel.is_set()
+        ):
             try:
                 running, outcome = self._results.get(timeout=0.2)
             except queue.Empty:
@@ -341,6 +387,9 @@ class Orchestrator:
                     self._stop_all()
                 elif any(u.due <= time.monotonic() for u in self._unsubmitted()):
                     self._start_ready()
+                elif self._services.changed.is_set():  # one became ready, or failed
+                    self._services.changed.clear()
+                    self._start_ready()
                 continue
             del self._running[running.step.name]
             step = self._steps[running.step.name]
@@ -348,6 +397,7 @@ class Orchestrator:
                 self._leave_running(step, running)
             else:
                 self._settle(step, self._record(running, outcome), outcome)
+            self._retire_unused_services()
             self._start_ready()
 
     def _start_ready(self) -> None:
@@ -356,7 +406,7 @@ class Orchestrator:
         progress = True
         while progress and not self._cancel.is_set():
             progress = False
-            in_use = sum(r.launch.limit_bytes for r in self._running.values())
+            in_use = sum(r.launch.limit_bytes for r in self._running.values()) + self._services.held_bytes()
             for step in self._steps.values():
                 if step.state != StepState.PENDING or not all(
                     self._steps[n].state in SETTLED_STATES for n in step.spec.needs
@@ -373,6 +423,9 @@ class Orchestrator:
                     continue
                 if not self.executor.admits_by_memory and in_use + step.limit > self._pool:
                     continue
+                if not self._services_ready(step, in_use):
+                    progress = step.state != StepState.PENDING  # failed with its service
+                    continue
                 if (waiting := step.unsubmitted) is not None:
                     if waiting.due > time.monotonic():
                         continue
@@ -388,6 +441,32 @@ class Orchestrator:
                 self._set_state(step, StepState.RUNNING)
                 in_use += step.limit
                 progress = True
+
+    def _services_ready(self, step: _StepRun, in_use: int) -> bool:
+        """Whether every service ``step`` uses is ready; starts those not started yet while their
+        replicas fit beside it; fails the step when one of them failed."""
+        ready = True
+        for name in step.spec.uses:
+            state = self._services.state(name)
+            if state == ServiceState.FAILED:
+                self._finish(
+                    step, StepState.FAILED, f"its service {name} failed: {self._services.failure(name)}"
+                )
+                return False
+            if state == ServiceState.IDLE:
+                extra = self._services.bytes_of(name)
+                if self.executor.admits_by_memory or in_use + extra + step.limit <= self._pool:
+                    self._services.start(name)
+                    in_use += extra
+            ready = ready and self._services.state(name) == ServiceState.READY  # an external one: at once
+        return ready
+
+    def _retire_unused_services(self) -> None:
+        """Stop each service whose users have all ended."""
+        for name in self._services.running():
+            users = [self._steps[u] for u in self.spec.users(name)]
+            if all(u.state not in (StepState.PENDING, StepState.RUNNING) for u in users):
+                self._services.retire(name, "its last user ended")
 
     def _settle(self, step: _StepRun, decision: Decision, outcome: Outcome) -> None:
         """What follows an attempt's verdict: the step is done, cancelled or failed, or it runs again."""
@@ -500,6 +579,8 @@ class Orchestrator:
     ) -> Launch:
         stdout_path, stderr_path = attempt_logs(self.run_dir, step.name, attempt)
         runner = runner_env(self.pipeline_path, self.run_dir, step)
+        if self._services is not None:
+            runner |= {service_urls_env(n): ",".join(self._services.urls(n)) for n in step.uses}
         return Launch(
             run_id=self.run_id,
             step=step.name,
@@ -646,20 +727,7 @@ class Orchestrator:
             running.attempt_id,
             verdict=decision.verdict.value,
             reason=decision.reason,
-            fields={
-                "peak_bytes": outcome.peak_bytes,
-                "anon_peak_bytes": outcome.anon_peak_bytes,
-                "oom_kills": outcome.oom_kills,
-                "oom_kills_before": outcome.oom_kills_before,
-                "oom_kills_after": outcome.oom_kills_after,
-                "oom_at": outcome.oom_at,
-                "exit_code": outcome.exit_code,
-                "signal": outcome.signal,
-                "started_at": outcome.started_at,
-                "ended_at": outcome.ended_at,
-                "records": manifest.records() if manifest else None,
-                "stderr_tail": json.dumps(outcome.stderr_tail),
-            },
+            fields=outcome.ledger_fields(manifest.records() if manifest else None),
             timeline=outcome.timeline,
         )
         self.reporter.ended(step.name, running.attempt, decision, outcome)

@@ -29,6 +29,7 @@ from pipeline.run.executor import (
 from pipeline.run.fingerprint import step_fingerprint
 from pipeline.run.layout import STATE_DIR
 from pipeline.run.ledger import AttemptRow, Ledger, RunState
+from pipeline.run.services import AdoptedReplica, recorded_port, replica_launch
 from pipeline.run.spec import PipelineSpec, StepSpec
 from pipeline.run.step_inputs import expand_command
 from pipeline.run.verdict import Verdict
@@ -96,14 +97,16 @@ def close_orphans(
     executor: Executor,
     launch: LaunchFor,
     note: Callable[[str], None],
-) -> list[Resumed]:
+) -> list[Resumed | AdoptedReplica]:
     """Attempts still 'running' belong to a runner that died. Each is seen to by the executor
     that started it (whatever this run's, ``executor``, is). Those it can watch again (a Slurm job,
-    found by its id) are handed back, to be waited for like any other, when their step is unchanged;
-    what is left of the others is ended where the ledger says they ran and recorded cancelled. One
-    that cannot be stopped, or that ran on another host, stays 'running', and nothing starts."""
+    found by its id) are handed back, to be waited for like any other, when their step is unchanged
+    (a service's replica, when its service's command is: it goes on serving); what is left of the
+    others is ended where the ledger says they ran and recorded cancelled. One that cannot be
+    stopped, or that ran on another host, stays 'running', and nothing starts."""
     executors = {executor.name: executor}
-    resumed, stuck = [], []
+    resumed: list[Resumed | AdoptedReplica] = []
+    stuck = []
     hosts = {run["run_id"]: run["host"] for run in ledger.runs()}
     for row in ledger.running_attempts():
         row_executor = _executor_of(row, spec, executors)
@@ -116,11 +119,14 @@ def close_orphans(
             )
             continue
         try:
-            found, why_not = _resume(row, row_executor, spec, pipeline_path, run_dir, launch)
+            if row.replica is None:
+                found, why_not = _resume(row, row_executor, spec, pipeline_path, run_dir, launch)
+            else:
+                found, why_not = _adopt(row, row_executor, spec, pipeline_path, run_dir)
             if found is not None:
                 resumed.append(found)
                 note(
-                    f"{row.step} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
+                    f"{row.label} attempt {row.attempt}: the runner (pid {row.orchestrator_pid}) stopped "
                     f"before it ended; found it again ({found.handle.where}), waiting for it"
                 )
                 continue
@@ -193,3 +199,27 @@ def _resume(
     if handle is None:
         return None, ""
     return Resumed(row, step, attempt_launch, handle, fingerprint, executor.detached), ""
+
+
+def _adopt(
+    row: AttemptRow, executor: Executor, spec: PipelineSpec, pipeline_path: Path, run_dir: Path
+) -> tuple[AdoptedReplica | None, str]:
+    """A dead runner's service replica, to go on with when its executor finds it again (a Slurm job)
+    and its command is the file's (with some port); or None and why not (for the cancel reason)."""
+    if not row.location:
+        return None, ""
+    try:
+        service = spec.service(row.step)
+    except KeyError:
+        return None, " (its service is no longer in the pipeline)"
+    port = None if service.external else recorded_port(pipeline_path, run_dir, service, json.loads(row.argv))
+    if port is None or row.replica > service.replicas:
+        return None, " (its service's command or replicas changed)"
+    options = spec.executor_options(executor.name, service.name)
+    launch = replica_launch(
+        pipeline_path, run_dir, row.run_id, service, attempt=row.attempt, port=port, options=options
+    )
+    handle = executor.resume(row.location, launch)
+    if handle is None:
+        return None, ""
+    return AdoptedReplica(service.name, row.replica, port, row.id, launch, handle), ""

@@ -25,15 +25,22 @@ from pydantic import (
 from pipeline.memory import MIB, parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
-from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
+from pipeline.run.step_contract import (
+    PIPELINE_DIR_ENV,
+    RUN_DIR_ENV,
+    SERVICE_PORT_ENV,
+    STEP_DIR_ENV,
+    STEP_NAME_ENV,
+)
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 # ${NAME} or ${NAME:-default} (the default when NAME is unset or empty), as in compose files.
 VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # Set by the runner for each step, so left for it to expand: the run directory, the step's
-# directory and name, the folder of the pipeline file.
-RUNNER_VARIABLES = frozenset({RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV, PIPELINE_DIR_ENV})
+# directory and name, the folder of the pipeline file; for a service's replica, its port.
+RUNNER_VARIABLES = frozenset({RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV, PIPELINE_DIR_ENV, SERVICE_PORT_ENV})
+MAX_REPLICAS = 64
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
@@ -96,13 +103,13 @@ class _Step(BaseModel):
     """After an OOM kill the next limit is the recorded peak (or the limit) times this."""
     env: dict[str, str] = {}
     gpus: int = Field(0, ge=0)
+    uses: list[str] = []
+    """The services it needs running while it runs; their URLs come in ``EYRIE_SERVICE_<NAME>_URLS``."""
 
     @field_validator("memory")
     @classmethod
     def _positive(cls, value: int) -> int:
-        if value < 4 * MIB:
-            raise ValueError("memory limit must be at least 4MiB")
-        return value
+        return _at_least_4mib(value)
 
     @field_validator("outputs", "inputs")
     @classmethod
@@ -123,6 +130,56 @@ class _Step(BaseModel):
 StepSpec = create_model("StepSpec", __base__=_Step, **_EXECUTOR_FIELDS)
 
 
+def _at_least_4mib(value: int) -> int:
+    if value < 4 * MIB:
+        raise ValueError("memory limit must be at least 4MiB")
+    return value
+
+
+class _Service(BaseModel):
+    """A server the runner starts before the first step that uses it and stops after the last."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_RE)
+    command: Argv = Field(min_length=1)
+    """Its argv; ``${EYRIE_SERVICE_PORT}`` is the port the runner chose for the replica."""
+    memory: Size
+    gpus: int = Field(0, ge=0)
+    env: dict[str, str] = {}
+    health: str = Field("/health", pattern=r"^/")
+    """The HTTP path that answers 200 once a replica is ready."""
+    startup_timeout: Duration = 600.0
+    """How long a replica may take to answer ``health`` before it is stopped and counted failed."""
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    retries: int = Field(2, ge=0, le=20)
+    """How many times a replica that ended while in use (or never got ready) is started again."""
+    url: str = ""
+    """An external server's URL(s), comma-separated: when set, nothing is started and the steps that
+    use the service get these (``url: ${EYRIE_TARGET_URL:-}`` lets a setting point at one)."""
+
+    @field_validator("url")
+    @classmethod
+    def _urls(cls, value: str) -> str:
+        for url in filter(None, value.split(",")):
+            if not re.match(r"^https?://[^/\s]+", url.strip()):
+                raise ValueError(f"{url!r} is not a server URL; write it with its scheme, e.g. http://{url}")
+        return value
+
+    @property
+    def external(self) -> list[str]:
+        """The external server's URLs; [] when the runner starts the service."""
+        return [url.strip().rstrip("/") for url in self.url.split(",") if url.strip()]
+
+    @field_validator("memory")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        return _at_least_4mib(value)
+
+
+ServiceSpec = create_model("ServiceSpec", __base__=_Service, **_EXECUTOR_FIELDS)
+
+
 class _Pipeline(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -130,6 +187,7 @@ class _Pipeline(BaseModel):
     budget: Size | None = None
     """Cap on the memory all running steps may hold together (default: what the host really has)."""
     steps: list[StepSpec] = Field(min_length=1)
+    services: list[ServiceSpec] = []
 
     @model_validator(mode="after")
     def _graph(self) -> PipelineSpec:
@@ -137,14 +195,34 @@ class _Pipeline(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"step names must be unique; repeated: {', '.join(dupes)}")
+        services = [s.name for s in self.services]
+        dupes = sorted({n for n in services if services.count(n) > 1})
+        if dupes:
+            raise ValueError(f"service names must be unique; repeated: {', '.join(dupes)}")
+        if both := sorted(set(names) & set(services)):
+            raise ValueError(f"{', '.join(both)}: the name of both a step and a service; rename one")
         for step in self.steps:
             if step.name in step.needs:
                 raise ValueError(f"step {step.name!r} needs itself")
             unknown = [n for n in step.needs if n not in names]
             if unknown:
                 raise ValueError(f"step {step.name!r} needs unknown step(s) {', '.join(unknown)}")
+            unknown = [n for n in step.uses if n not in services]
+            if unknown:
+                known = f"declared: {', '.join(services)}" if services else "none is declared under services:"
+                raise ValueError(f"step {step.name!r} uses unknown service(s) {', '.join(unknown)} ({known})")
         self.order()  # raises on a cycle
         return self
+
+    def service(self, name: str) -> ServiceSpec:
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(name)
+
+    def users(self, service: str) -> list[str]:
+        """The steps that use ``service``."""
+        return [s.name for s in self.steps if service in s.uses]
 
     def step(self, name: str) -> StepSpec:
         for step in self.steps:
@@ -153,12 +231,15 @@ class _Pipeline(BaseModel):
         raise KeyError(name)
 
     def executor_options(self, executor: str, step: str | None = None) -> StepOptions | None:
-        """``executor``'s options for ``step`` (the pipeline's, with the step's own on top), or the
-        pipeline's alone; None for an executor that is not registered, such as a test's."""
+        """``executor``'s options for ``step`` or service (the pipeline's, with its own on top), or
+        the pipeline's alone; None for an executor that is not registered, such as a test's."""
         if executor not in EXECUTORS:
             return None
         options = executor_class(executor).Options
-        given = [getattr(self, executor), getattr(self.step(step), executor) if step else None]
+        own = None
+        if step is not None:
+            own = self.service(step) if step in {s.name for s in self.services} else self.step(step)
+        given = [getattr(self, executor), getattr(own, executor) if own else None]
         merged: dict[str, Any] = {}
         for block in given:
             if block is not None:
@@ -226,13 +307,13 @@ def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
     """Every ``${NAME}`` / ``${NAME:-default}`` in the file's values, from ``environ``.
 
     Settings come from the environment before anything is validated, so a limit, an image
-    or a GPU count can be one. The runner's own variables, and names a step sets in its
-    ``env:``, are left for the runner to expand when the step starts.
+    or a GPU count can be one. The runner's own variables, and names a step or service sets in
+    its ``env:``, are left for the runner to expand when the step starts.
     """
 
     def walk(node: Any, where: tuple, step_env: frozenset[str]) -> Any:
         if isinstance(node, dict):
-            if len(where) == 2 and where[0] == "steps" and isinstance(node.get("env"), dict):
+            if len(where) == 2 and where[0] in ("steps", "services") and isinstance(node.get("env"), dict):
                 step_env = frozenset(node["env"])
             return {key: walk(value, (*where, key), step_env) for key, value in node.items()}
         if isinstance(node, list):

@@ -35,7 +35,21 @@ STEP_NAME_ENV = "EYRIE_STEP_NAME"
 PIPELINE_DIR_ENV = "EYRIE_PIPELINE_DIR"
 FINGERPRINT_ENV = "EYRIE_STEP_FINGERPRINT"
 CACHE_DIR_ENV = "EYRIE_CACHE_DIR"
+SERVICE_PORT_ENV = "EYRIE_SERVICE_PORT"
+"""A service's replica listens on this port (the runner chose it, free)."""
 _HASH_CHUNK = MIB
+
+
+def service_urls_env(service: str) -> str:
+    """The variable a step that uses ``service`` finds its replicas' URLs in, comma-separated:
+    ``EYRIE_SERVICE_TARGET_URLS`` for ``target``."""
+    return "EYRIE_SERVICE_" + re.sub(r"[^A-Z0-9]", "_", service.upper()) + "_URLS"
+
+
+def service_urls(service: str, environ: dict[str, str] | None = None) -> list[str]:
+    """The URLs of ``service``'s replicas the runner gave this step; [] when it gave none."""
+    value = (os.environ if environ is None else environ).get(service_urls_env(service), "")
+    return [url for url in value.split(",") if url]
 
 
 class FileEntry(BaseModel):

@@ -12,14 +12,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec, UnknownVariable, substitute
+from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 
 
-def runner_env(pipeline_path: Path, run_dir: Path, step: StepSpec) -> dict[str, str]:
-    """The variables the runner sets for every step: its place in the run (the step contract's
-    EYRIE_* names), and a PATH on which steps find the same `python3` and `eyrie` as the runner
-    (its virtual environment first)."""
+def runner_env(pipeline_path: Path, run_dir: Path, step: StepSpec | ServiceSpec) -> dict[str, str]:
+    """The variables the runner sets for every step and service: its place in the run (the step
+    contract's EYRIE_* names), and a PATH on which it finds the same `python3` and `eyrie` as the
+    runner (its virtual environment first)."""
     interpreter_bin = str(Path(sys.executable).parent)
     return {
         "PATH": os.pathsep.join([interpreter_bin, os.environ.get("PATH", os.defpath)]),

@@ -69,6 +69,24 @@ def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Dec
     return Decision(decision.verdict, f"{decision.reason} (decided from {outcome.evidence})")
 
 
+def decide_service(outcome: Outcome, *, served: bool, not_ready: str | None) -> Decision:
+    """The verdict of a service's replica. ``served``: its service was ready and the runner stopped
+    it once no longer needed, which is how a service succeeds; ``not_ready``: why it never answered
+    its health path, if it did not. Memory evidence decides first, as for a step."""
+    if outcome.runner_error is None and outcome.oom_kills == 0 and outcome.thrash is None:
+        ended = _ending(outcome)
+        if served and outcome.stopped_by == "cancel":
+            return Decision(Verdict.SUCCEEDED, f"served until it was no longer needed, then stopped; {ended}")
+        if outcome.stopped_by == "timeout" and not_ready:
+            return Decision(Verdict.TIMED_OUT, f"{not_ready}; {ended}")
+        if outcome.stopped_by is None and outcome.exit_code == 0:
+            return Decision(Verdict.FAILED, f"{ended} while its users still needed it")
+    decision = decide(outcome, False, "a service declares no outputs")
+    if not_ready and decision.verdict not in (Verdict.CANCELLED, Verdict.TIMED_OUT):
+        return Decision(decision.verdict, f"{decision.reason}; {not_ready}")
+    return decision
+
+
 def _decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
     if outcome.runner_error is not None:
         return Decision(Verdict.FAILED, f"the runner lost track of it: {outcome.runner_error}")
