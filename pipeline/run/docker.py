@@ -416,6 +416,20 @@ class DockerExecutor:
 
     host_memory = memory_budget  # not this process's: in compose its container's limit is its own
 
+    def service_host(self, handle: DockerAttempt) -> str:
+        """A replica is a sibling container: by its name where this runner is a container on the
+        same network (the engine's DNS answers there), else by its address on that network, which
+        the host and the other containers reach alike."""
+        network = self._network()
+        if self._own is not None and network:
+            return handle.container.name
+        handle.container.reload()
+        networks = handle.container.attrs["NetworkSettings"]["Networks"]
+        found = networks.get(network) if network else next(iter(networks.values()), None)
+        if not found or not found.get("IPAddress"):
+            raise ExecutorError(f"{handle.container.name} has no address on {network or 'any network'}")
+        return found["IPAddress"]
+
     # -- executor interface --------------------------------------------------------------
     def start(self, launch: Launch) -> DockerAttempt:
         try:

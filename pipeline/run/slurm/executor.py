@@ -16,7 +16,14 @@ from pipeline.run.executor import AttemptStillRunning, ExecutorError, ExecutorUn
 from pipeline.run.layout import attempt_name
 from pipeline.run.slurm.attempt import SlurmAttempt
 from pipeline.run.slurm.options import SlurmOptions
-from pipeline.run.slurm.script import batch_script, job_env, report_path, sbatch_argv, script_path
+from pipeline.run.slurm.script import (
+    address_path,
+    batch_script,
+    job_env,
+    report_path,
+    sbatch_argv,
+    script_path,
+)
 
 REAP_WAIT_S = 120.0
 """How long a dead runner's job gets to end after ``scancel`` (Slurm's KillWait is 30 s by default)."""
@@ -86,6 +93,7 @@ class SlurmExecutor:
         launch.stdout_path.parent.mkdir(parents=True, exist_ok=True)
         os.makedirs(launch.cwd, exist_ok=True)
         grid.remove_reports(report_path(launch))
+        address_path(launch).unlink(missing_ok=True)
         script = script_path(launch)
         script.write_text(batch_script(launch), encoding="utf-8")
         env = job_env(launch)
@@ -122,6 +130,15 @@ class SlurmExecutor:
             f"step {launch.step}: the Slurm controller did not answer sbatch for "
             f"{sum(controller.ANSWER_WAITS_S):.0f} s ({said})"
         )
+
+    @staticmethod
+    def service_host(handle: SlurmAttempt) -> str | None:
+        """A replica's node, by the address its job wrote once it ran there; None while it waits in
+        the queue."""
+        try:
+            return address_path(handle.launch).read_text(encoding="utf-8").strip() or None
+        except FileNotFoundError:
+            return None
 
     def resume(self, where: str, launch: Launch) -> SlurmAttempt | None:
         """The job of a runner that died, by its id: watched again while Slurm knows it or its

@@ -13,6 +13,7 @@ from pipeline.memory import MIB
 from pipeline.run.executor import Launch
 from pipeline.run.layout import attempt_name
 from pipeline.run.slurm.options import SlurmOptions, options_of
+from pipeline.run.step_contract import SERVICE_PORT_ENV
 
 TIME_LIMIT_MARGIN_S = 60.0
 """``--time`` is the step's timeout plus this: the runner stops a step at its timeout itself."""
@@ -36,6 +37,21 @@ def report_path(launch: Launch) -> Path:
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.slurm.json")
 
 
+def address_path(launch: Launch) -> Path:
+    """Where a service's job writes the address of the node it runs on, once it runs there."""
+    return launch.stderr_path.with_name(f"attempt-{launch.attempt}.address")
+
+
+def _say_address(launch: Launch) -> str:
+    """The line that writes the node's own address (its first IP; its name where it has none), so
+    that a replica's URL never rests on the login node resolving the node's name."""
+    target = shlex.quote(str(address_path(launch)))
+    return (
+        "addr=$(hostname -I 2>/dev/null | awk '{print $1}'); [ -n \"$addr\" ] || addr=$(hostname -f); "
+        f'printf "%s\\n" "$addr" > {target}.tmp && mv {target}.tmp {target}'
+    )
+
+
 def script_path(launch: Launch) -> Path:
     """Where the job's batch script is written, beside its logs."""
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.sbatch")
@@ -47,6 +63,8 @@ def batch_script(launch: Launch) -> str:
     report = report_path(launch)
     step = shlex.join(launch.argv)
     lines = ["#!/bin/sh", f"# eyrie: run {launch.run_id}, step {launch.step}, attempt {launch.attempt}"]
+    if SERVICE_PORT_ENV in launch.step_env:  # a service's replica: say where it listens
+        lines.append(_say_address(launch))
     if options.nodes is None:
         lines.append(f"exec {shlex.join([*WRAPPER, str(report), '--'])} {step}")
         return "\n".join(lines) + "\n"
