@@ -26,9 +26,11 @@ STEP_COMMANDS = {
     "tokenize": "pipeline.steps.tokenize.cli:tokenize",
     "train": "pipeline.steps.train.cli:train",
     "accept": "pipeline.steps.accept.cli:accept",
+    "serve": "pipeline.steps.target_server:serve",
     "build": "pipeline.compile.cli:build_app",
 }
-"""Each step's command in pipeline order, then the build's: ``module:function`` (``:app``: a group)."""
+"""Each step's command in pipeline order, then the target server's (a service's command) and the
+build's: ``module:function`` (``:app``: a group)."""
 
 
 def step_command(name: str) -> TyperCommand | TyperGroup:

@@ -26,7 +26,12 @@ from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from pipeline.memory.units import duration_text, parse_duration
-from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
+from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, service_urls_env
+
+TARGET_SERVICE = "target"
+"""The service a pipeline declares its target server as: a step that uses it finds the replicas'
+URLs in ``TARGET_URLS_ENV``, which ``eyrie generate`` asks and ``--release-target`` falls back to."""
+TARGET_URLS_ENV = service_urls_env(TARGET_SERVICE)
 
 # A permission, not a setting of what is computed: a pipeline grants it through the environment.
 TrustRemoteCode = Annotated[
@@ -50,9 +55,15 @@ def server_url(option: str, url: str) -> str:
 
 
 def _release_target(value: str) -> str:
-    """``--release-target`` refused at once, in one line, when it is neither ``no`` nor a URL."""
+    """``--release-target`` refused at once, in one line, when it is neither ``no`` nor one URL (the
+    target service's, when not given: a step that uses it can release one replica, not several)."""
     if value.strip().lower() not in ("", "no", "none"):
         try:
+            if "," in value:
+                raise ValueError(
+                    f"--release-target: {value!r} names several servers (the target service's replicas?); "
+                    "a step takes the GPUs of one: give its URL, or declare the service with replicas: 1"
+                )
             server_url("--release-target", value)
         except ValueError as exc:
             say_error(str(exc))
@@ -64,7 +75,9 @@ ReleaseTarget = Annotated[
     str,
     typer.Option(
         metavar="URL|no",
-        help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'.",
+        envvar=TARGET_URLS_ENV,
+        help="SGLang server (URL) whose GPU memory this step takes while it runs, or 'no'; a step "
+        "that uses the target service is given its URL.",
         callback=_release_target,
     ),
 ]

@@ -73,20 +73,31 @@ def transformers_serve(
         raise ServeError(f"{model_dir} is not a model folder (no config.json): build the target first")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    argv = transformers_argv(model_dir, host="127.0.0.1", port=port, continuous_batching=continuous_batching)
+    with running_server("transformers serve", argv, transformers_env(), url, log_path, startup_timeout_s):
+        yield url
+
+
+def transformers_argv(model_dir: Path, *, host: str, port: int, continuous_batching: bool) -> list[str]:
+    """``transformers serve MODEL_DIR`` on ``host:port``."""
     argv = [*_transformers_cli(), "serve", str(model_dir)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    argv += ["--host", host, "--port", str(port), "--log-level", "warning"]
     if continuous_batching:
         # Without a fixed size the paged KV cache is sized from the host's memory (measured:
         # 14 GiB resident for the tiny target, 28 s before the first answer); 512 blocks of
         # 32 tokens hold 16k tokens in flight and peaked at 1.3 GiB.
         argv += ["--continuous-batching", "--cb-num-blocks", "512", "--cb-block-size", "32"]
+    return argv
+
+
+def transformers_env() -> dict[str, str]:
+    """The environment ``transformers serve`` runs in: offline, one intra-op thread unless the
+    operator says otherwise (for a small model on a busy CPU, OpenMP threads spin against each
+    other: 32 tokens took 7.1 s on 2 threads of a loaded 2-core machine, 0.8 s on one; concurrency
+    comes from requests, not from threads)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # One intra-op thread unless the operator says otherwise: for a small model on a busy CPU,
-    # OpenMP threads spin against each other (measured: 32 tokens took 7.1 s on 2 threads of a
-    # loaded 2-core machine, 0.8 s on one). Concurrency comes from requests, not from threads.
     env.setdefault("OMP_NUM_THREADS", "1")
-    with running_server("transformers serve", argv, env, url, log_path, startup_timeout_s):
-        yield url
+    return env
 
 
 @contextlib.contextmanager

@@ -103,13 +103,14 @@ def server_argv(
     *,
     port: int,
     tp: int,
+    host: str = "127.0.0.1",
     trust_remote_code: bool = False,
     parsers: Parsers = Parsers(),
     speculation: Speculation | None = None,
 ) -> list[str]:
-    """``python -m sglang.launch_server`` for ``model`` on 127.0.0.1, with or without a draft."""
+    """``python -m sglang.launch_server`` for ``model`` on ``host:port``, with or without a draft."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp)]
+    argv += ["--host", host, "--port", str(port), "--tp-size", str(tp)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     argv += parsers.argv()

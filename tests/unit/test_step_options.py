@@ -19,6 +19,7 @@ from pipeline.cli import STEP_COMMANDS, app
 from pipeline.steps.accept.config import AcceptConfig
 from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
 from pipeline.steps.prep.config import PrepConfig
+from pipeline.steps.target_server import ServeConfig
 from pipeline.steps.tokenize.config import TokenizeConfig
 from pipeline.steps.train import cli as train_cli
 from pipeline.steps.train.config import TrainConfig
@@ -30,8 +31,9 @@ SETTINGS = {
     "tokenize": TokenizeConfig,
     "train": TrainConfig,
     "accept": AcceptConfig,
+    "serve": ServeConfig,
 }
-"""Each step command's settings model: its options are the model's fields."""
+"""Each step command's settings model (and the target server's): its options are the model's fields."""
 
 
 def command(*path: str):
@@ -293,3 +295,19 @@ def test_the_build_runs_with_the_release_whose_profiles_ship():
     build = options(command("build", "flash-attn"))
     assert build["version"].default == FLASH_ATTN_VERSION
     assert size_option("--headroom", build["headroom"].default) == DEFAULT_HEADROOM
+
+
+def test_a_step_that_uses_the_target_service_releases_it_unless_told_otherwise(monkeypatch):
+    _, calls = implementation(monkeypatch, "pipeline.steps.accept.measure", "run_accept")
+    given = ("accept", "--draft", "d", "--target", "t", "--data", "x")
+    monkeypatch.setenv("EYRIE_SERVICE_TARGET_URLS", "http://gpu01:30001")  # as the runner sets it
+    invoke(*given)
+    assert calls[0].arguments["settings"].release_target == "http://gpu01:30001"
+    invoke(*given, "--release-target", "no")
+    assert calls[1].arguments["settings"].release_target is None
+    # Several replicas: a step takes the GPUs of one server, so it is told which, in one line.
+    monkeypatch.setenv("EYRIE_SERVICE_TARGET_URLS", "http://gpu01:30001,http://gpu02:30002")
+    result = CliRunner().invoke(app, list(given))
+    assert result.exit_code == 2 and len(calls) == 2
+    (line,) = [text for text in result.output.splitlines() if text.strip()]
+    assert "--release-target: 'http://gpu01:30001,http://gpu02:30002' names several servers" in line

@@ -12,7 +12,14 @@ import typer
 
 from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
-from pipeline.steps.options import OutDir, server_url, settings_options, validated
+from pipeline.steps.options import (
+    TARGET_SERVICE,
+    TARGET_URLS_ENV,
+    OutDir,
+    server_url,
+    settings_options,
+    validated,
+)
 
 TARGET_URL_ENV = "EYRIE_TARGET_URL"
 
@@ -33,15 +40,21 @@ def read_api_key(env_name: str | None, key_file: Path | None) -> str | None:
 
 
 def server_urls(given: list[str] | None, serve: Path | None) -> list[str]:
-    """The servers to ask: ``--url``'s, else (with no ``--serve``) ``$EYRIE_TARGET_URL``'s, each
-    checked; a ValueError unless there are servers or a model to serve, not both."""
-    urls = given or []
-    if not urls and not serve and os.environ.get(TARGET_URL_ENV):
-        # The compose file's pipeline service names the SGLang server for every step.
-        urls = os.environ[TARGET_URL_ENV].split(",")
-    urls = [server_url(f"${TARGET_URL_ENV}" if not given else "--url", u) for u in urls]
+    """The servers to ask: ``--url``'s; else, with no ``--serve``, the target service's (the runner
+    sets ``$EYRIE_SERVICE_TARGET_URLS`` for a step that uses it) or ``$EYRIE_TARGET_URL``'s; each
+    checked. A ValueError unless there are servers or a model to serve, not both."""
+    urls, source = given or [], "--url"
+    if not urls and not serve:
+        for name in (TARGET_URLS_ENV, TARGET_URL_ENV):
+            if os.environ.get(name):
+                urls, source = os.environ[name].split(","), f"${name}"
+                break
+    urls = [server_url(source, u) for u in urls]
     if bool(urls) == bool(serve):
-        raise ValueError(f"give the server with --url or ${TARGET_URL_ENV}, or a model folder with --serve")
+        raise ValueError(
+            f"give the server with --url or ${TARGET_URL_ENV} (or a `{TARGET_SERVICE}` service the step "
+            "uses), or a model folder with --serve"
+        )
     return urls
 
 

@@ -255,10 +255,8 @@ def test_server_url_from_the_environment_as_in_the_compose_pipeline(tmp_path, fa
     assert result.returncode == 0, result.stderr
     assert len(read_jsonl(tmp_path / "out" / "conversations.jsonl")) == 10
     neither = run_generate(prompts, tmp_path / "out2", env={"EYRIE_TARGET_URL": ""})
-    assert (
-        neither.returncode == 2
-        and "--url or $EYRIE_TARGET_URL, or a model folder with --serve" in neither.stderr
-    )
+    assert neither.returncode == 2
+    assert "--url or $EYRIE_TARGET_URL (or a `target` service the step uses), or a model" in neither.stderr
 
 
 def test_rows_that_cannot_be_asked_are_errors_not_crashes(tmp_path, fake_server):

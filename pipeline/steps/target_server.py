@@ -1,0 +1,93 @@
+"""``eyrie serve``: the target as a pipeline's service runs it, SGLang on the GPUs or ``transformers
+serve`` on a CPU, on the port the runner chose for the replica (``$EYRIE_SERVICE_PORT``).
+
+The command replaces itself with the server (exec): the server is the replica's own process, so
+its memory, an OOM kill and its exit status are the replica's evidence, and the runner's stop
+reaches it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.run.step_contract import EXIT_BAD_INPUT, SERVICE_PORT_ENV, say_error
+from pipeline.steps.options import TrustRemoteCode, settings_options, validated
+from pipeline.steps.serve import ServeError, transformers_argv, transformers_env
+from pipeline.steps.sglang import Parsers, server_argv
+
+
+class ServeConfig(BaseModel):
+    """How ``eyrie serve`` serves the target: its options, with these names."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    engine: Literal["sglang", "transformers"] = "sglang"
+    """sglang (the GPUs) or transformers (a CPU; the target a model folder)."""
+    host: str = "0.0.0.0"  # noqa: S104 - a service is reached from its users' containers and nodes
+    """The address to listen on (all of them: users in other containers and on other nodes)."""
+    tp: int = Field(1, ge=0)
+    """SGLang's tensor parallelism: the GPUs it spans (transformers on a CPU spans none: 0)."""
+    reasoning_parser: str = ""
+    """SGLang's --reasoning-parser (empty: none)."""
+    tool_call_parser: str = ""
+    """SGLang's --tool-call-parser (empty: none)."""
+    memory_saver: bool = False
+    """SGLang can give its GPU memory to a step meanwhile (a step's --release-target), keeping a copy
+    of its weights in host memory (the target's size, inside the service's memory)."""
+
+
+def server_command(
+    model: str, port: int, config: ServeConfig, trust_remote_code: bool
+) -> tuple[list[str], dict]:
+    """The server's argv and environment; a ValueError for a target the engine cannot serve."""
+    if config.engine == "transformers":
+        model_dir = Path(model).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"{model}: not a model folder (no config.json); transformers serves a folder")
+        # Requests in flight decode together (paged attention) rather than one after another.
+        try:
+            argv = transformers_argv(model_dir, host=config.host, port=port, continuous_batching=True)
+        except ServeError as exc:
+            raise ValueError(str(exc)) from None
+        return argv, transformers_env()
+    if config.tp < 1:
+        raise ValueError(
+            f"--tp {config.tp}: SGLang spans at least one GPU (--engine transformers serves on a CPU)"
+        )
+    parsers = Parsers(config.reasoning_parser, config.tool_call_parser)
+    argv = server_argv(
+        model, port=port, tp=config.tp, host=config.host, trust_remote_code=trust_remote_code, parsers=parsers
+    )
+    env = dict(os.environ)
+    if config.memory_saver:
+        argv += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+        # GET /health without a forward pass: while a step holds the GPUs, one would find the
+        # weights unmapped and bring the server down.
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+    return argv, env
+
+
+@settings_options(ServeConfig)
+def serve(
+    model: Annotated[str, typer.Argument(help="The target: a model folder, or a hub id (sglang).")],
+    port: Annotated[
+        int, typer.Option(min=1, max=65535, envvar=SERVICE_PORT_ENV, help="The port to listen on.")
+    ],
+    trust_remote_code: TrustRemoteCode = False,
+    **settings: Any,
+) -> None:
+    """Serve the target on PORT until stopped: the command a pipeline's target service runs."""
+    config = validated(ServeConfig, **settings)
+    try:
+        argv, env = server_command(model, port, config, trust_remote_code)
+    except ValueError as exc:
+        say_error(str(exc))
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    print(f"eyrie serve: {shlex.join(argv)}", flush=True)
+    os.execvpe(argv[0], argv, env)
