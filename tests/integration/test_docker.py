@@ -117,6 +117,37 @@ def _run_containers(run_id: str, settle_s: float = 10) -> list[str]:
         time.sleep(0.5)
 
 
+def test_a_service_is_a_sibling_container_its_users_reach_and_it_stops_after_them(images, tmp_path):
+    shutil.copy(REPO / "tests" / "scenarios" / "server.py", tmp_path / "server.py")
+    (tmp_path / "ask.py").write_text(
+        "import os, urllib.request\n"
+        "print(urllib.request.urlopen(os.environ['EYRIE_SERVICE_WEB_URLS'] + '/').read().decode())\n"
+    )
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("""
+services:
+  - name: web
+    command: [python3, "${EYRIE_PIPELINE_DIR}/server.py", "${EYRIE_SERVICE_PORT}"]
+    memory: 128MiB
+    startup_timeout: 60s
+steps:
+  - name: ask
+    command: [python3, "${EYRIE_PIPELINE_DIR}/ask.py"]
+    memory: 64MiB
+    uses: [web]
+""")
+    run_dir = tmp_path / "run"
+    result = _eyrie_docker("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "docker")
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempts = {a["step"]: a for a in attempts_json(run_dir)}
+    assert attempts["web"]["replica"] == 1 and attempts["web"]["verdict"] == "succeeded"
+    assert attempts["web"]["executor"] == "docker" and attempts["web"]["peak_bytes"]  # read inside
+    assert attempts["ask"]["verdict"] == "succeeded"
+    answer = (run_dir / ".eyrie" / "logs" / "ask" / "attempt-1.stdout.log").read_text()
+    assert '"path": "/"' in answer
+    assert _run_containers(attempts["web"]["run_id"]) == []
+
+
 def test_step_containers_carry_limit_labels_and_the_run_dir(images, tmp_path):
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text("""
@@ -205,6 +236,34 @@ steps:
     samples = ledger.host_samples(attempts_json(run_dir)[0]["run_id"])
     ledger.close()
     assert samples and all(s.available == s.mem_available > runner_limit for s in samples), samples
+
+
+@pytest.mark.timeout(1800)  # the real pipeline file on CPU settings, its target a container too
+def test_the_real_pipeline_file_serves_its_target_as_a_sibling_container(images, tmp_path):
+    from pipeline.embedded.tiny import ensure_tiny_target
+    from tests.e2e.test_target_service import CPU_SETTINGS
+
+    run_dir = tmp_path / "run"
+    target = ensure_tiny_target(run_dir / ".cache" / "tiny-target")  # in the run dir: mounted
+    env = {
+        **_docker_env(), **CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target),
+        "EYRIE_CACHE_DIR": str(run_dir / ".cache"), "EYRIE_TARGET_IMAGE": IMAGE, "EYRIE_ACCEPT_IMAGE": IMAGE,
+    }  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "pipeline" / "embedded" / "eagle3.yaml"),
+         "--run-dir", str(run_dir), "--executor", "docker"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1700,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = attempts_json(run_dir)
+    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == {
+        **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
+        ("target", 1): "succeeded",
+    }
+    assert all(a["executor"] == "docker" for a in rows)
+    assert _run_containers(rows[0]["run_id"]) == []
+    page = Path(eyrie("report", "--run-dir", str(run_dir), check=True).stdout.strip()).read_text()
+    assert 'data-series="host-target"' in page
 
 
 @pytest.mark.timeout(2400)  # the whole real pipeline file on CPU settings, training included

@@ -373,3 +373,107 @@ def test_the_embedded_demo_runs_end_to_end_under_slurm(tmp_path):
     assert {a["verdict"] for a in attempts} == {"succeeded"}
     assert all(a["executor"] == "slurm" and a["location"].startswith("slurm job ") for a in attempts)
     assert (run_dir / "train" / "draft" / "model.safetensors").exists()
+
+
+@pytest.mark.usefixtures("cluster")
+def test_each_replica_of_a_service_is_a_job_its_users_reach_on_the_node_it_runs_on(tmp_path):
+    server = REPO / "tests" / "scenarios" / "server.py"
+    path = write_pipeline(
+        tmp_path,
+        f"""
+services:
+  - name: web
+    command: [PYTHON, {server}, "${{EYRIE_SERVICE_PORT}}"]
+    memory: 128MiB
+    replicas: 2
+    startup_timeout: 120s
+steps:
+  - name: ask
+    command: [PYTHON, -c, "import os, urllib.request as r; [print(r.urlopen(u + '/').read().decode())
+              for u in os.environ['EYRIE_SERVICE_WEB_URLS'].split(',')]"]
+    memory: 64MiB
+    uses: [web]
+""",
+    )
+    run_dir = tmp_path / "run"
+    result = eyrie("run", str(path), "--run-dir", str(run_dir), "--executor", "slurm")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = attempts_json(run_dir)
+    replicas = [a for a in rows if a["step"] == "web"]
+    assert sorted(a["replica"] for a in replicas) == [1, 2]
+    assert all(a["verdict"] == "succeeded" and a["executor"] == "slurm" for a in replicas)
+    assert all(a["location"].startswith("slurm job") or a["location"] for a in replicas)
+    logs = run_dir / ".eyrie" / "logs"
+    addresses = [(logs / "web" / f"attempt-{a['attempt']}.address").read_text().strip() for a in replicas]
+    answers = (logs / "ask" / "attempt-1.stdout.log").read_text().splitlines()
+    assert len(answers) == 2 and all('"path": "/"' in line for line in answers)
+    assert all(f"http://{address}:" in result.stdout for address in addresses)  # the node's own address
+    assert _active(run_dir) == []  # every replica's job ended with the run
+
+
+@pytest.mark.usefixtures("cluster")
+def test_the_real_pipeline_file_runs_its_target_service_as_a_job_with_no_server_started_by_hand(tmp_path):
+    from pipeline.embedded.tiny import ensure_tiny_target
+    from tests.e2e.test_target_service import CPU_SETTINGS
+
+    target = ensure_tiny_target(tmp_path / "target")
+    env = {**os.environ, **CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target), "EYRIE_CACHE_DIR": str(tmp_path)}
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "pipeline" / "embedded" / "eagle3.yaml"),
+         "--run-dir", str(run_dir), "--executor", "slurm"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = attempts_json(run_dir)
+    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == {
+        **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
+        ("target", 1): "succeeded",
+    }
+    assert all(a["executor"] == "slurm" and a["location"] for a in rows)  # the target too: a job
+    assert _active(run_dir) == []
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_rerun_goes_on_with_the_replica_job_a_killed_runner_left_when_its_command_is_unchanged(tmp_path):
+    server = REPO / "tests" / "scenarios" / "server.py"
+    # The user asks the server for its pid before and after the runner is killed: the same server.
+    ask = tmp_path / "ask.py"
+    ask.write_text(
+        "import json, os, time, urllib.request\n"
+        "url = os.environ['EYRIE_SERVICE_WEB_URLS'] + '/'\n"
+        "first = json.load(urllib.request.urlopen(url))['pid']\n"
+        "time.sleep(15)\n"
+        "print('pids', first, json.load(urllib.request.urlopen(url))['pid'])\n"
+    )
+    pipeline = write_pipeline(
+        tmp_path,
+        f"""
+services:
+  - name: web
+    command: [PYTHON, {server}, "${{EYRIE_SERVICE_PORT}}"]
+    memory: 128MiB
+    startup_timeout: 120s
+steps:
+  - name: ask
+    command: [PYTHON, {ask}]
+    memory: 64MiB
+    uses: [web]
+""",
+    )
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)]
+    first = subprocess.Popen([*argv, "--executor", "slurm"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    _wait_for_state(run_dir, "ask", "RUNNING")  # the user started: the replica answered
+    first.kill()  # the jobs run on without their runner
+    first.wait()
+    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm", check=True)
+    rows = attempts_json(run_dir)
+    replicas = [a for a in rows if a["step"] == "web"]
+    assert len(replicas) == 1, rows  # the rerun started no replica of its own
+    (replica,) = replicas
+    assert replica["verdict"] == "succeeded" and f"found it again ({replica['location']})" in again.stdout
+    pids = (run_dir / ".eyrie" / "logs" / "ask" / "attempt-1.stdout.log").read_text().split()
+    assert pids[0] == "pids" and pids[1] == pids[2]  # one server answered before and after
+    assert _active(run_dir) == []
