@@ -143,7 +143,8 @@ def check_placement(
     spec: PipelineSpec, pipeline_path: Path, executor: Executor, pool: int, binding: str
 ) -> None:
     """Refuse, before anything starts, services ``executor`` cannot run, or whose replicas and
-    largest user do not fit in ``pool`` together (unless a scheduler admits by memory)."""
+    largest user do not fit in ``pool`` together; under a scheduler that admits by memory (Slurm),
+    a replica whose memory exceeds what one of its jobs can have (the largest node of its partition)."""
     started = [s for s in spec.services if not s.external]
     if started and getattr(executor, "service_host", None) is None:
         raise PipelineError(
@@ -151,9 +152,18 @@ def check_placement(
             "run with --executor local, or start the server yourself and give the steps its URL"
         )
     for service in started:
+        if executor.admits_by_memory:
+            own = executor.memory_budget(spec.executor_options(executor.name, service.name))
+            if service.memory > own.available:
+                raise PipelineError(
+                    f"{pipeline_path}: services ({service.name}).memory: {format_size(service.memory)} "
+                    f"exceeds the {format_size(own.available)} a replica can have (set by {own.binding}); "
+                    "lower it, or give the service a partition with larger nodes"
+                )
+            continue
         users = [spec.step(name) for name in spec.users(service.name)]
         need = service.memory * service.replicas + max((u.memory for u in users), default=0)
-        if not executor.admits_by_memory and need > pool:
+        if need > pool:
             raise PipelineError(
                 f"{pipeline_path}: services ({service.name}): {service.replicas} replica(s) of "
                 f"{format_size(service.memory)} beside its largest user need {format_size(need)}, more "

@@ -477,3 +477,23 @@ steps:
     pids = (run_dir / ".eyrie" / "logs" / "ask" / "attempt-1.stdout.log").read_text().split()
     assert pids[0] == "pids" and pids[1] == pids[2]  # one server answered before and after
     assert _active(run_dir) == []
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_replica_larger_than_any_node_is_refused_before_anything_is_submitted(tmp_path):
+    pipeline = write_pipeline(tmp_path, """
+services:
+  - name: web
+    command: [PYTHON, -m, http.server, "${EYRIE_SERVICE_PORT}"]
+    memory: 64TiB
+steps:
+  - name: ask
+    command: ["true"]
+    memory: 16MiB
+    uses: [web]
+""")
+    result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), "--executor", "slurm")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "services (web).memory: 64.00 TiB exceeds the" in line and "a replica can have" in line
+    assert not (tmp_path / "run").exists()  # nothing made, so nothing submitted
