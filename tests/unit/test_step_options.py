@@ -268,7 +268,7 @@ def test_accept_reads_the_rows_training_held_out_with_trainings_defaults():
         (("tokenize", "--tokenizer", "model", "--workers", "0"),
          "--workers: Input should be greater than or equal to 1, got 0"),
         (("train", "--data", "shards", "--target", "model", "--batch-size", "0"),
-         "--batch-size: batch_size: Input should be greater than or equal to 1, got 0"),
+         "--batch-size: Input should be greater than or equal to 1, got 0"),
         (("accept", "--draft", "d", "--target", "t", "--data", "x", "--prompts", "0"),
          "--prompts: Input should be greater than or equal to 1, got 0"),
         (("accept", "--draft", "d", "--target", "t", "--data", "x", "--num-steps", "x"),

@@ -25,7 +25,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options
+from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options, validation_lines
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.config import TrainConfig
@@ -51,19 +51,6 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from pipeline.steps.train.offline import FeaturesError
 
     return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError, HeldFormatError)
-
-
-def _validation_lines(exc: ValidationError, where_of) -> str:
-    lines = []
-    for error in exc.errors():
-        name = str(error["loc"][0]) if error["loc"] else ""
-        field = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "extra_forbidden":
-            message = f"unknown setting (known: {', '.join(TrainConfig.model_fields)})"
-        else:
-            message = f"{error['msg']}, got {error['input']!r}"
-        lines.append(f"{where_of(name)}: {field}: {message}")
-    return "\n".join(lines)
 
 
 def _read_yaml(config_file: Path) -> dict:
@@ -95,7 +82,7 @@ def load_config(config_file: Path | None, overrides: dict) -> TrainConfig:
     try:
         return TrainConfig.model_validate(values)
     except ValidationError as exc:
-        raise SettingsError(_validation_lines(exc, where_of)) from None
+        raise SettingsError(validation_lines(exc, TrainConfig, where_of)) from None
 
 
 def read_resolved(path: Path) -> TrainConfig:
@@ -105,7 +92,7 @@ def read_resolved(path: Path) -> TrainConfig:
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read it: {exc.strerror}") from None
     except ValidationError as exc:
-        raise SettingsError(_validation_lines(exc, lambda _: str(path))) from None
+        raise SettingsError(validation_lines(exc, TrainConfig, lambda _: str(path))) from None
 
 
 def worker(cfg: TrainConfig) -> int:
