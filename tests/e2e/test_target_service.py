@@ -78,18 +78,23 @@ def test_a_replica_killed_mid_generate_is_started_again_and_no_row_is_lost_or_re
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    # generate's rows reach its file as they are answered: kill the server once a few are in.
+    # generate appends rows to its partial file as they are answered: kill the server once a few
+    # are in; the file is renamed conversations.jsonl when the step completes.
+    partial = run_dir / "generate" / "conversations.partial.jsonl"
     rows = run_dir / "generate" / "conversations.jsonl"
     deadline = time.monotonic() + 600
+    answered = 0
     while runner.poll() is None and time.monotonic() < deadline:
-        if rows.exists() and len(rows.read_text().splitlines()) >= 5 and (pid := running_replica(run_dir)):
+        answered = partial.read_bytes().count(b"\n") if partial.exists() else 0
+        if answered >= 5 and (pid := running_replica(run_dir)):
             os.kill(pid, signal.SIGKILL)
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     else:
         pytest.fail(f"no replica to kill mid-generate:\n{runner.communicate()[0]}")
     out, _ = runner.communicate(timeout=600)
     assert runner.returncode == 0, out
+    assert answered < PROMPTS, "generate had answered every prompt before the kill"
 
     ids = [json.loads(line)["id"] for line in rows.read_text().splitlines()]
     assert sorted(ids) == [f"p{i:03d}" for i in range(PROMPTS)]  # none lost, none twice
