@@ -238,6 +238,9 @@ steps:
     assert samples and all(s.available == s.mem_available > runner_limit for s in samples), samples
 
 
+# Slow (~2 min): the default suite runs the real file under Docker through compose (an external
+# server) and a service container on its own; this joins the two.
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # the real pipeline file on CPU settings, its target a container too
 def test_the_real_pipeline_file_serves_its_target_as_a_sibling_container(images, tmp_path):
     from pipeline.embedded.tiny import ensure_tiny_target
