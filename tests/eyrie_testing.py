@@ -70,6 +70,38 @@ def attempts_json(run_dir: Path) -> list[dict]:
     return json.loads(eyrie("status", "--run-dir", str(run_dir), "--json", check=True).stdout)
 
 
+# -- the real job on CPU settings ---------------------------------------------------------------
+REAL_JOB = REPO / "pipeline" / "embedded" / "eagle3.yaml"
+# compose/compose.cpu.yaml's settings, less its external server: the file serves the tiny target.
+REAL_JOB_CPU_SETTINGS = {
+    "EYRIE_TARGET_ENGINE": "transformers", "EYRIE_TARGET_MEMORY": "3GiB", "EYRIE_TARGET_URL": "",
+    "EYRIE_RELEASE_TARGET": "no", "EYRIE_GPUS": "0", "EYRIE_TRAIN_PROCESSES": "1",
+    "EYRIE_ACCEPT_ENGINE": "chain", "EYRIE_PREP_DATA": "offline", "EYRIE_QUOTA": "8",
+    "EYRIE_MAX_TOKENS": "32", "EYRIE_CONCURRENCY": "8", "EYRIE_MAX_LENGTH": "1024", "EYRIE_MAX_STEPS": "4",
+    "EYRIE_BATCH_SIZE": "2", "EYRIE_DRAFT_VOCAB": "512", "EYRIE_TTT_STEPS": "2",
+    "EYRIE_HELDOUT_FRACTION": "0.2", "EYRIE_ACCEPT_PROMPTS": "2", "EYRIE_ACCEPT_MAX_NEW_TOKENS": "8",
+    "EYRIE_PREP_MEMORY": "1536MiB", "EYRIE_GENERATE_MEMORY": "512MiB", "EYRIE_TOKENIZE_MEMORY": "1GiB",
+    "EYRIE_TRAIN_MEMORY": "4GiB", "EYRIE_ACCEPT_MEMORY": "2GiB", "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+}  # fmt: skip
+# Every step of the real job and its target's one replica: (step, replica) -> verdict.
+REAL_JOB_SUCCEEDED = {
+    **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
+    ("target", 1): "succeeded",
+}
+
+
+def run_real_job(run_dir: Path, settings: dict[str, str], *args: str, timeout: float = 1500) -> list[dict]:
+    """`eyrie run` of the real pipeline file into ``run_dir`` with ``settings`` on top of this
+    environment (and ``args``: an executor), asserted to succeed; its attempts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", str(REAL_JOB), "--run-dir", str(run_dir), *args],
+        cwd=REPO, env={**os.environ, **settings}, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return attempts_json(run_dir)
+
+
 # -- the report, in a real browser --------------------------------------------------------------
 CHROMIUM = shutil.which("chromium")
 _HEADLESS = [

@@ -28,9 +28,9 @@ from pipeline.memory import format_duration, format_size
 from pipeline.run.executor import Executor, Launch, LineSink, Outcome, RunningAttempt, StepOptions
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger
-from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec, UnknownVariable, substitute
+from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec
 from pipeline.run.step_contract import SERVICE_PORT_ENV
-from pipeline.run.step_inputs import runner_env
+from pipeline.run.step_inputs import expand_argv, runner_env
 from pipeline.run.verdict import Decision, decide_service
 
 HEALTH_POLL_S = 0.5
@@ -56,21 +56,7 @@ def free_port() -> int:
 
 def service_argv(pipeline_path: Path, service: ServiceSpec, variables: dict[str, str]) -> list[str]:
     """The service's argv with the runner's variables (its port among them) and its ``env``."""
-
-    def lookup(name: str, default: str | None) -> str:
-        if variables.get(name):
-            return variables[name]
-        if default is not None:
-            return default
-        raise UnknownVariable(name)
-
-    try:
-        return [substitute(arg, lookup) for arg in service.command]
-    except UnknownVariable as exc:
-        raise PipelineError(
-            f"{pipeline_path}: services ({service.name}).command: unknown variable ${{{exc.args[0]}}}; "
-            f"known here: {', '.join(sorted(variables))}"
-        ) from None
+    return expand_argv(pipeline_path, f"services ({service.name})", service.command, variables)
 
 
 def replica_launch(
@@ -225,7 +211,7 @@ class Services:
         options: Callable[[str], StepOptions | None],
         reporter: ServiceReporter,
         commit: str | None,
-        adopted: list[AdoptedReplica] = (),  # type: ignore[assignment]
+        adopted: list[AdoptedReplica] | None = None,
     ) -> None:
         self._specs = {s.name: s for s in services}
         self._pipeline_path, self._run_dir, self._run_id = pipeline_path, run_dir, run_id
@@ -241,7 +227,7 @@ class Services:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.changed = threading.Event()
-        self._adopted = {(a.service, a.index): a for a in adopted}
+        self._adopted = {(a.service, a.index): a for a in adopted or []}
 
     # -- what the scheduling loop asks --------------------------------------------------
     def state(self, name: str) -> ServiceState:

@@ -34,6 +34,12 @@ def expand_command(pipeline_path: Path, run_dir: Path, step: StepSpec) -> list[s
     """The step's argv with the runner's variables and the step's ``env`` expanded
     (settings from the environment were expanded when the file was loaded)."""
     variables = {**runner_env(pipeline_path, run_dir, step), **step.env}
+    return expand_argv(pipeline_path, f"steps ({step.name})", step.command, variables)
+
+
+def expand_argv(pipeline_path: Path, where: str, command: list[str], variables: dict[str, str]) -> list[str]:
+    """``command`` with each ``${NAME}`` of ``variables`` filled in; a PipelineError naming the
+    file, ``where`` (the step or service) and the variables known for one it cannot fill."""
 
     def lookup(name: str, default: str | None) -> str:
         if variables.get(name):
@@ -45,10 +51,10 @@ def expand_command(pipeline_path: Path, run_dir: Path, step: StepSpec) -> list[s
         raise UnknownVariable(name)
 
     try:
-        return [substitute(arg, lookup) for arg in step.command]
+        return [substitute(arg, lookup) for arg in command]
     except UnknownVariable as exc:
         raise PipelineError(
-            f"{pipeline_path}: steps ({step.name}).command: unknown variable ${{{exc.args[0]}}}; "
+            f"{pipeline_path}: {where}.command: unknown variable ${{{exc.args[0]}}}; "
             f"known here: {', '.join(sorted(variables))}"
         ) from None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyrie_testing import REPO
+from eyrie_testing import REAL_JOB_CPU_SETTINGS, REAL_JOB_SUCCEEDED, REPO, run_real_job
 from pipeline.run.ledger import Ledger
 
 pytestmark = pytest.mark.timeout(900)
@@ -108,39 +108,17 @@ def test_a_replica_killed_mid_generate_is_started_again_and_no_row_is_lost_or_re
     assert "target[1]: crashed" in out and "starting it again (1 of 1 retries)" in out
 
 
-PIPELINE = REPO / "pipeline" / "embedded" / "eagle3.yaml"
-# compose/compose.cpu.yaml's settings, less its external server: the file serves the tiny target.
-CPU_SETTINGS = {
-    "EYRIE_TARGET_ENGINE": "transformers", "EYRIE_TARGET_MEMORY": "3GiB", "EYRIE_TARGET_URL": "",
-    "EYRIE_RELEASE_TARGET": "no", "EYRIE_GPUS": "0", "EYRIE_TRAIN_PROCESSES": "1",
-    "EYRIE_ACCEPT_ENGINE": "chain", "EYRIE_PREP_DATA": "offline", "EYRIE_QUOTA": "8",
-    "EYRIE_MAX_TOKENS": "32", "EYRIE_CONCURRENCY": "8", "EYRIE_MAX_LENGTH": "1024", "EYRIE_MAX_STEPS": "4",
-    "EYRIE_BATCH_SIZE": "2", "EYRIE_DRAFT_VOCAB": "512", "EYRIE_TTT_STEPS": "2",
-    "EYRIE_HELDOUT_FRACTION": "0.2", "EYRIE_ACCEPT_PROMPTS": "2", "EYRIE_ACCEPT_MAX_NEW_TOKENS": "8",
-    "EYRIE_PREP_MEMORY": "1536MiB", "EYRIE_GENERATE_MEMORY": "512MiB", "EYRIE_TOKENIZE_MEMORY": "1GiB",
-    "EYRIE_TRAIN_MEMORY": "4GiB", "EYRIE_ACCEPT_MEMORY": "2GiB", "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}  # fmt: skip
-
-
 @pytest.mark.usefixtures("real_cgroups")
 def test_the_real_pipeline_file_serves_its_target_itself_and_stops_it_after_generate(tmp_path, tiny_target):
-    env = {**os.environ, **CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(tiny_target)}
-    env["EYRIE_CACHE_DIR"] = str(tmp_path / "cache")
     run_dir = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", str(PIPELINE), "--run-dir", str(run_dir)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    settings = {**REAL_JOB_CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(tiny_target)}
+    rows = run_real_job(run_dir, {**settings, "EYRIE_CACHE_DIR": str(tmp_path / "cache")}, timeout=1200)
+    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == REAL_JOB_SUCCEEDED
     ledger = Ledger(run_dir, create=False)
     try:
         attempts = {row.label: row for row in ledger.attempts()}
     finally:
         ledger.close()
-    assert {label: a.verdict for label, a in attempts.items()} == dict.fromkeys(
-        ["prep", "generate", "tokenize", "train", "accept", "target[1]"], "succeeded"
-    )
     # Started for generate, stopped once it ended: train found nothing of it running.
     replica, generate, train = attempts["target[1]"], attempts["generate"], attempts["train"]
     assert replica.started_at < generate.started_at

@@ -21,7 +21,16 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie, eyrie_in_small_cgroup
+from eyrie_testing import (
+    REAL_JOB_CPU_SETTINGS,
+    REAL_JOB_SUCCEEDED,
+    REPO,
+    SCENARIOS,
+    attempts_json,
+    eyrie,
+    eyrie_in_small_cgroup,
+    run_real_job,
+)
 from pipeline.memory import read_meminfo
 from pipeline.run.ledger import Ledger
 from pipeline.run.step_contract import read_manifest
@@ -244,25 +253,16 @@ steps:
 @pytest.mark.timeout(1800)  # the real pipeline file on CPU settings, its target a container too
 def test_the_real_pipeline_file_serves_its_target_as_a_sibling_container(images, tmp_path):
     from pipeline.embedded.tiny import ensure_tiny_target
-    from tests.e2e.test_target_service import CPU_SETTINGS
 
     run_dir = tmp_path / "run"
     target = ensure_tiny_target(run_dir / ".cache" / "tiny-target")  # in the run dir: mounted
-    env = {
-        **_docker_env(), **CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target),
-        "EYRIE_CACHE_DIR": str(run_dir / ".cache"), "EYRIE_TARGET_IMAGE": IMAGE, "EYRIE_ACCEPT_IMAGE": IMAGE,
+    settings = {
+        **REAL_JOB_CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target),
+        "EYRIE_CACHE_DIR": str(run_dir / ".cache"),
+        "EYRIE_IMAGE": IMAGE, "EYRIE_TARGET_IMAGE": IMAGE, "EYRIE_ACCEPT_IMAGE": IMAGE,
     }  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "pipeline" / "embedded" / "eagle3.yaml"),
-         "--run-dir", str(run_dir), "--executor", "docker"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1700,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = attempts_json(run_dir)
-    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == {
-        **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
-        ("target", 1): "succeeded",
-    }
+    rows = run_real_job(run_dir, settings, "--executor", "docker", timeout=1700)
+    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == REAL_JOB_SUCCEEDED
     assert all(a["executor"] == "docker" for a in rows)
     assert _run_containers(rows[0]["run_id"]) == []
     page = Path(eyrie("report", "--run-dir", str(run_dir), check=True).stdout.strip()).read_text()

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
+from eyrie_testing import (
+    REAL_JOB_CPU_SETTINGS,
+    REAL_JOB_SUCCEEDED,
+    REPO,
+    SCENARIOS,
+    attempts_json,
+    eyrie,
+    run_real_job,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 SCENARIO = REPO / "tests" / "scenarios" / "scenario.py"
@@ -414,22 +422,12 @@ steps:
 @pytest.mark.usefixtures("cluster")
 def test_the_real_pipeline_file_runs_its_target_service_as_a_job_with_no_server_started_by_hand(tmp_path):
     from pipeline.embedded.tiny import ensure_tiny_target
-    from tests.e2e.test_target_service import CPU_SETTINGS
 
     target = ensure_tiny_target(tmp_path / "target")
-    env = {**os.environ, **CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target), "EYRIE_CACHE_DIR": str(tmp_path)}
+    settings = {**REAL_JOB_CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target), "EYRIE_CACHE_DIR": str(tmp_path)}
     run_dir = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "pipeline" / "embedded" / "eagle3.yaml"),
-         "--run-dir", str(run_dir), "--executor", "slurm"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = attempts_json(run_dir)
-    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == {
-        **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
-        ("target", 1): "succeeded",
-    }
+    rows = run_real_job(run_dir, settings, "--executor", "slurm")
+    assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == REAL_JOB_SUCCEEDED
     assert all(a["executor"] == "slurm" and a["location"] for a in rows)  # the target too: a job
     assert _active(run_dir) == []
 
