@@ -17,3 +17,9 @@ def attempt_logs(run_dir: Path, step: str, attempt: int) -> tuple[Path, Path]:
     """The files an attempt's stdout and stderr are kept in."""
     logs = Path(run_dir) / STATE_DIR / "logs" / step
     return logs / f"attempt-{attempt}.stdout.log", logs / f"attempt-{attempt}.stderr.log"
+
+
+def service_urls_path(run_dir: Path, service: str) -> Path:
+    """Where the runner keeps the URLs ``service``'s replicas answer at now, one per line in replica
+    order: rewritten when a replica started again answers elsewhere (a Slurm job on another node)."""
+    return Path(run_dir) / STATE_DIR / "services" / f"{service}.urls"

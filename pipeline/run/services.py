@@ -4,8 +4,9 @@ A service starts when the first step that uses it is otherwise ready to start, i
 parallel, each on a port the runner chose. It is ready once every replica's health path answered
 200; only then do the steps that use it start, with its URLs in their environment. Each replica
 is an attempt in the ledger, judged from the same evidence as a step's. A replica that ends while
-the service is in use is started again on the same port (its URL is in its users' environment)
-within the service's ``retries``. A service stops once the last step using it has ended, and when
+the service is in use is started again on the same port within the service's ``retries``; where it
+answers then is written to the run directory (``service_urls_path``), for its users to follow it
+to another node. A service stops once the last step using it has ended, and when
 the run ends.
 """
 
@@ -26,10 +27,10 @@ from typing import Protocol
 
 from pipeline.memory import format_duration, format_size
 from pipeline.run.executor import Executor, Launch, LineSink, Outcome, RunningAttempt, StepOptions
-from pipeline.run.layout import attempt_logs
+from pipeline.run.layout import attempt_logs, service_urls_path
 from pipeline.run.ledger import Ledger
 from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec
-from pipeline.run.step_contract import SERVICE_PORT_ENV
+from pipeline.run.step_contract import SERVICE_PORT_ENV, atomic_write_text
 from pipeline.run.step_inputs import expand_argv, runner_env
 from pipeline.run.verdict import Decision, decide_service
 
@@ -337,7 +338,7 @@ class Services:
     def _run_once(self, replica: Replica) -> Decision:
         spec = replica.service
         # Started again: ready once it answers again, where it runs now (the same port; under Slurm
-        # it may be another node, which the steps already running do not learn).
+        # it may be another node).
         replica.ready, replica.url = False, ""
         if (found := replica.adopted) is not None:
             replica.adopted = None
@@ -423,12 +424,20 @@ class Services:
                 replica.ready = True
                 took = format_duration(time.monotonic() - began)
                 self._reporter.note(f"{replica.label}: ready at {replica.url} ({spec.health} in {took})")
+                self._publish(spec.name)
                 self._became_ready(spec.name)
             elif time.monotonic() - began > spec.startup_timeout:
                 handle.stop("timeout")
                 limit = format_duration(spec.startup_timeout)
                 return handle.wait(), f"not ready: {missed} within its startup_timeout ({limit})"
         return None, None if replica.ready else "it was stopped before it was ready"
+
+    def _publish(self, name: str) -> None:
+        """Write where ``name``'s replicas answer now, once each has a URL: a step that uses it reads
+        this when a replica stops answering (``step_contract.service_urls``)."""
+        with self._lock:
+            if all(urls := self.urls(name)):
+                atomic_write_text(service_urls_path(self._run_dir, name), "\n".join(urls) + "\n")
 
     def _became_ready(self, name: str) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pipeline.memory.units import MIB
+from pipeline.run.layout import service_urls_path
 
 MANIFEST_NAME = "manifest.json"
 RUN_DIR_ENV = "EYRIE_RUN_DIR"
@@ -47,9 +48,18 @@ def service_urls_env(service: str) -> str:
 
 
 def service_urls(service: str, environ: dict[str, str] | None = None) -> list[str]:
-    """The URLs of ``service``'s replicas the runner gave this step; [] when it gave none."""
-    value = (os.environ if environ is None else environ).get(service_urls_env(service), "")
-    return [url for url in value.split(",") if url]
+    """The URLs of ``service``'s replicas the runner gave this step, in replica order, as they are
+    now: a replica started again elsewhere (a Slurm job on another node) answers at the URL the
+    runner wrote to the run directory since; [] when it gave none."""
+    environ = os.environ if environ is None else environ
+    given = [url for url in environ.get(service_urls_env(service), "").split(",") if url]
+    if not given or not environ.get(RUN_DIR_ENV):
+        return given
+    try:
+        now = service_urls_path(Path(environ[RUN_DIR_ENV]), service).read_text(encoding="utf-8").split()
+    except OSError:
+        return given
+    return now if len(now) == len(given) else given
 
 
 class FileEntry(BaseModel):

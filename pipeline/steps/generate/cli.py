@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, step_dir_from_env
+from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, service_urls, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
 from pipeline.steps.options import (
     TARGET_SERVICE,
@@ -39,23 +39,24 @@ def read_api_key(env_name: str | None, key_file: Path | None) -> str | None:
     return None
 
 
-def server_urls(given: list[str] | None, serve: Path | None) -> list[str]:
-    """The servers to ask: ``--url``'s; else, with no ``--serve``, the target service's (the runner
-    sets ``$EYRIE_SERVICE_TARGET_URLS`` for a step that uses it) or ``$EYRIE_TARGET_URL``'s; each
-    checked. A ValueError unless there are servers or a model to serve, not both."""
-    urls, source = given or [], "--url"
+def server_urls(given: list[str] | None, serve: Path | None) -> tuple[list[str], str | None]:
+    """The servers to ask, and the service they are the replicas of: ``--url``'s; else, with no
+    ``--serve``, the target service's (the runner sets ``$EYRIE_SERVICE_TARGET_URLS`` for a step that
+    uses it) or ``$EYRIE_TARGET_URL``'s; each checked. A ValueError unless there are servers or a
+    model to serve, not both."""
+    urls, source, service = given or [], "--url", None
     if not urls and not serve:
-        for name in (TARGET_URLS_ENV, TARGET_URL_ENV):
-            if os.environ.get(name):
-                urls, source = os.environ[name].split(","), f"${name}"
-                break
+        if urls := service_urls(TARGET_SERVICE):
+            source, service = f"${TARGET_URLS_ENV}", TARGET_SERVICE
+        elif os.environ.get(TARGET_URL_ENV):
+            urls, source = os.environ[TARGET_URL_ENV].split(","), f"${TARGET_URL_ENV}"
     urls = [server_url(source, u) for u in urls]
     if bool(urls) == bool(serve):
         raise ValueError(
             f"give the server with --url or ${TARGET_URL_ENV} (or a `{TARGET_SERVICE}` service the step "
             "uses), or a model folder with --serve"
         )
-    return urls
+    return urls, service
 
 
 @settings_options(GenerateSettings)
@@ -82,7 +83,7 @@ def generate(
     from pipeline.steps.serve import ServeError, transformers_serve
 
     try:
-        urls = server_urls(url, serve)
+        urls, service = server_urls(url, serve)
         api_key = read_api_key(api_key_env, api_key_file)
     except ValueError as exc:
         say_error(str(exc))
@@ -92,6 +93,7 @@ def generate(
         **settings,
         prompts=prompts.resolve(),
         urls=urls,
+        service=service,
         api_key=api_key,
         out_dir=(out_dir or step_dir_from_env()).resolve(),
     )

@@ -156,8 +156,12 @@ class ChatClient:
         api_key: str | None = None,
         log: Callable[[str], None] | None = None,
         poll_s: float = 0.5,
+        locate: Callable[[], list[str]] | None = None,
     ) -> None:
         self.servers = [Server(u.rstrip("/")) for u in urls]
+        self._locate = locate
+        """Where the servers answer now, in the order of ``urls``: a server down is looked for there
+        (a service's replica the runner started again on another node)."""
         self.retry = retry
         self.patience_s = patience_s
         self.poll_s = poll_s
@@ -276,6 +280,7 @@ class ChatClient:
         assert server.down_since is not None
         while True:
             await asyncio.sleep(self.poll_s)
+            self._follow(server)
             sent = time.perf_counter()
             problem = await self._health_problem(server)
             now = time.monotonic()
@@ -293,6 +298,18 @@ class ChatClient:
         # Wake every request waiting for a server: one is back, or one fewer can come back.
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _follow(self, server: Server) -> None:
+        """Point ``server`` at where it answers now, if it answers elsewhere."""
+        if self._locate is None:
+            return
+        now = [url.rstrip("/") for url in self._locate()]
+        if len(now) != len(self.servers):
+            return
+        moved = now[self.servers.index(server)]
+        if moved != server.url:
+            self._log(f"generate: {server.url} was started again at {moved}; asking it there")
+            server.url = moved
 
     async def first_model(self) -> str:
         """The first model a server lists at ``/v1/models``."""

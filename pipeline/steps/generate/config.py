@@ -102,6 +102,9 @@ class GenerateConfig(GenerateSettings):
     prompts: Path
     out_dir: Path
     urls: list[str]
+    service: str | None = None
+    """The pipeline service ``urls`` are the replicas of: a replica that stops answering is looked
+    for where the runner started it again."""
     api_key: str | None = Field(None, repr=False)
     """Sent as the bearer token; never printed or stored."""
     flush_rows: int = 512

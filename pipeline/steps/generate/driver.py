@@ -51,6 +51,7 @@ from pipeline.run.step_contract import (
     atomic_path,
     error_lines,
     fsync_dir,
+    service_urls,
     write_manifest,
 )
 from pipeline.steps.generate.client import (
@@ -604,6 +605,7 @@ async def _generate(config: GenerateConfig, console: Console) -> dict[str, Any]:
         patience_s=config.health_timeout_s,
         api_key=config.api_key,
         log=lambda message: console.print(message, markup=False, highlight=False),
+        locate=(lambda: service_urls(config.service)) if config.service else None,
     ) as client:
         model = await _served_model(client, config)
         done, cut = prepare_state(config, model, console)

@@ -8,7 +8,8 @@ import time
 import pytest
 from generate_helpers import FakeServer, fake_servers, read_jsonl, run_generate, simple_prompts
 
-from pipeline.run.step_contract import read_manifest
+from pipeline.run.layout import service_urls_path
+from pipeline.run.step_contract import atomic_write_text, read_manifest
 from pipeline.steps.serve import free_port
 
 ALL_IDS = [f"p{i:05d}" for i in range(600)]
@@ -76,6 +77,35 @@ def test_requests_wait_for_a_restarting_server_without_spending_retries(tmp_path
     attempt = read_manifest(out).stats["this_attempt"]
     assert attempt["outages"] == 1 and attempt["outage_s"] >= 1.5
     assert attempt["retries"] <= 8  # at most the requests in flight when it died
+
+
+def test_a_service_replica_started_again_elsewhere_is_asked_there(tmp_path, fake_server):
+    # A target service's replica dies; the runner starts it again on another port (under Slurm:
+    # another node) and writes where it answers now to the run directory. Generate, given the
+    # service's URLs by the runner as a step that uses it, asks it there.
+    run_dir = tmp_path / "run"
+    first = fake_server("--die-after", "100")
+    moved: list[FakeServer] = []
+
+    def start_elsewhere() -> None:
+        first.process.wait()
+        moved.append(fake_server())
+        atomic_write_text(service_urls_path(run_dir, "target"), moved[0].url + "\n")
+
+    mover = threading.Thread(target=start_elsewhere)
+    mover.start()
+    try:
+        prompts = simple_prompts(tmp_path / "prompts.jsonl", 400)
+        out = tmp_path / "out"
+        env = {"EYRIE_RUN_DIR": str(run_dir), "EYRIE_SERVICE_TARGET_URLS": first.url}
+        extra = ("--max-retries", "1", "--concurrency", "8", "--health-timeout", "30s")
+        result = run_generate(prompts, out, extra=extra, env=env)
+    finally:
+        mover.join()
+    assert result.returncode == 0, result.stderr
+    assert sorted(ids_of(out / "conversations.jsonl")) == [f"p{i:05d}" for i in range(400)]
+    assert (out / "errors.jsonl").read_text() == ""
+    assert f"{first.url} was started again at {moved[0].url}; asking it there" in result.stderr
 
 
 def test_a_server_that_answers_500_to_everything_stops_the_step(tmp_path, fake_server):

@@ -3,6 +3,7 @@ over HTTP, recorded in the ledger beside the steps, stopped after their last use
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -10,14 +11,20 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from rich.console import Console
 
 from eyrie_testing import REPO, eyrie
+from pipeline.run.cli import ConsoleReporter
+from pipeline.run.layout import service_urls_path
 from pipeline.run.ledger import Ledger
+from pipeline.run.local import LocalExecutor
+from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.spec import PipelineError, load_pipeline
 
 SERVER = str(REPO / "tests" / "scenarios" / "server.py")
@@ -150,6 +157,53 @@ def test_a_replica_killed_while_in_use_is_started_again_on_its_url_and_its_user_
     assert second.verdict == "succeeded" and second.replica == first.replica == 1
     assert "starting it again (1 of 1 retries)" in out
     assert attempts(run_dir)["ask"][0].verdict == "succeeded"
+
+
+class MovingLocalExecutor(LocalExecutor):
+    """A fake placement over the real local executor: each start of a replica answers at another
+    loopback address (127.0.0.N for its attempt N), as a Slurm job placed on another node would."""
+
+    @staticmethod
+    def service_host(handle) -> str:
+        return f"127.0.0.{handle.launch.attempt}"
+
+
+def test_a_replica_started_again_elsewhere_is_followed_by_its_running_user(tmp_path, real_cgroups):
+    # The user asks where the step contract says the replica answers, waits for the test to kill
+    # it, then asks again where it says now.
+    follow = (
+        "import json, pathlib, time, urllib.request\n"
+        "from pipeline.run.step_contract import service_urls\n"
+        "(first,) = service_urls('web')\n"
+        "pathlib.Path('asked').write_text(str(json.load(urllib.request.urlopen(first + '/'))['pid']))\n"
+        "while service_urls('web') == [first]:\n"
+        "    time.sleep(0.2)\n"
+        "(now,) = service_urls('web')\n"
+        "print('moved', first, now, json.load(urllib.request.urlopen(now + '/', timeout=5))['pid'])\n"
+    )
+    user = {"name": "ask", "command": [sys.executable, "-c", follow], "memory": "64MiB", "uses": ["web"]}
+    path = pipeline(tmp_path, [web(retries=1)], [{**user, "timeout": "120s"}])
+    run_dir, out = tmp_path / "run", io.StringIO()
+    reporter = ConsoleReporter(Console(file=out, width=200))
+    orchestrator = Orchestrator(load_pipeline(path), path, run_dir, MovingLocalExecutor(), reporter)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(orchestrator.run()))
+    runner.start()
+    asked = run_dir / "ask" / "asked"
+    deadline = time.monotonic() + 60
+    while not asked.exists() and time.monotonic() < deadline and runner.is_alive():
+        time.sleep(0.1)
+    assert asked.exists(), out.getvalue()
+    os.kill(int(asked.read_text()), signal.SIGKILL)
+    runner.join(120)
+    assert result and result[0].state == "succeeded", out.getvalue()
+
+    first, second = attempts(run_dir)["web[1]"]
+    moved = re.search(r"moved (\S+) (\S+) (\d+)", out.getvalue())
+    assert moved, out.getvalue()
+    assert moved.group(1).startswith("http://127.0.0.1:") and moved.group(2).startswith("http://127.0.0.2:")
+    assert int(moved.group(3)) == second.pid  # the new start answered, where it runs now
+    assert service_urls_path(run_dir, "web").read_text() == moved.group(2) + "\n"
 
 
 def test_a_replica_not_ready_within_its_startup_timeout_is_timed_out(tmp_path, real_cgroups):

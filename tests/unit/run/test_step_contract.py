@@ -4,11 +4,14 @@ import os
 import pytest
 
 from pipeline.run import step_contract
+from pipeline.run.layout import service_urls_path
 from pipeline.run.step_contract import (
     atomic_path,
+    atomic_write_text,
     check_manifest,
     manifest_digest,
     read_manifest,
+    service_urls,
     write_manifest,
 )
 
@@ -101,3 +104,14 @@ def test_a_folder_is_on_disk_whole_before_its_name_says_complete(tmp_path, monke
     assert before == {str(tmp / "state.pt"), str(tmp / "nested" / "meta.json"), str(tmp / "nested"), str(tmp)}
     assert events[renamed + 1 :] == [("fsync", str(tmp_path))]
     assert (final / "state.pt").read_bytes() == b"weights"
+
+
+def test_a_services_urls_are_where_the_runner_says_its_replicas_answer_now(tmp_path):
+    env = {"EYRIE_RUN_DIR": str(tmp_path), "EYRIE_SERVICE_WEB_URLS": "http://a:1,http://b:2"}
+    assert service_urls("web", env) == ["http://a:1", "http://b:2"]  # as given: nothing moved yet
+    atomic_write_text(service_urls_path(tmp_path, "web"), "http://a:1\nhttp://c:2\n")
+    assert service_urls("web", env) == ["http://a:1", "http://c:2"]  # the second started again on c
+    # A file that does not list every replica is not this run's word on them.
+    atomic_write_text(service_urls_path(tmp_path, "web"), "http://a:1\n")
+    assert service_urls("web", env) == ["http://a:1", "http://b:2"]
+    assert service_urls("web", {"EYRIE_RUN_DIR": str(tmp_path)}) == []  # a step that does not use it
