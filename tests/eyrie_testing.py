@@ -11,9 +11,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,74 @@ def run_real_job(run_dir: Path, settings: dict[str, str], *args: str, timeout: f
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return attempts_json(run_dir)
+
+
+# -- a target replica killed mid-generate -------------------------------------------------------
+def kill_target_mid_generate(
+    tmp_path: Path, target: Path, replica_pid: Callable[[Path], int | None], *args: str, prompts: int = 60
+) -> str:
+    """`eyrie run` (``args``: an executor) of generate against ``target`` served by `eyrie serve
+    --engine transformers` as the pipeline's service; once a few rows are in, its replica (the pid
+    ``replica_pid`` finds from the run directory) is killed with SIGKILL. Asserted: the run
+    succeeds, no row is lost or repeated, and the replica was recorded crashed, then started again.
+    The run's output."""
+    path = tmp_path / "prompts.jsonl"
+    asked = [{"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": f"q {i}"}]}
+             for i in range(prompts)]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in asked))
+    spec = {
+        "name": "target-service",
+        "services": [
+            {
+                "name": "target",
+                "command": ["eyrie", "serve", str(target), "--engine", "transformers"],
+                "memory": "3GiB",
+                "startup_timeout": "5m",
+                "retries": 1,
+            }
+        ],
+        "steps": [
+            {
+                "name": "generate",
+                "command": ["eyrie", "generate", str(path), "--max-tokens", "32", "--seed", "7",
+                            "--concurrency", "2", "--health-timeout", "5m", "--retry-base", "0.2"],
+                "memory": "1GiB",
+                "uses": ["target"],
+                "outputs": ["conversations.jsonl", "errors.jsonl"],
+            }
+        ],
+    }  # fmt: skip
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump(spec))
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    # generate appends rows to its partial file as they are answered: kill the server once a few
+    # are in; the file is renamed conversations.jsonl when the step completes.
+    partial = run_dir / "generate" / "conversations.partial.jsonl"
+    deadline = time.monotonic() + 600
+    answered = 0
+    while runner.poll() is None and time.monotonic() < deadline:
+        answered = partial.read_bytes().count(b"\n") if partial.exists() else 0
+        if answered >= 5 and (pid := replica_pid(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"no replica to kill mid-generate:\n{runner.communicate()[0]}")
+    out, _ = runner.communicate(timeout=600)
+    assert runner.returncode == 0, out
+    assert answered < prompts, "generate had answered every prompt before the kill"
+
+    rows = (run_dir / "generate" / "conversations.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in rows) == [f"p{i:03d}" for i in range(prompts)]
+    first, second = [a for a in attempts_json(run_dir) if a["step"] == "target"]
+    assert (first["verdict"], first["signal"], first["replica"]) == ("crashed", signal.SIGKILL, 1)
+    assert second["verdict"] == "succeeded" and second["replica"] == 1
+    assert "target[1]: crashed" in out and "starting it again (1 of 1 retries)" in out
+    return out
 
 
 # -- the report, in a real browser --------------------------------------------------------------

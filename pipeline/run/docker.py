@@ -46,6 +46,7 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
+from pipeline.run.host_gpus import host_gpus
 from pipeline.run.layout import attempt_name
 from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
@@ -415,6 +416,11 @@ class DockerExecutor:
         )
 
     host_memory = memory_budget  # not this process's: in compose its container's limit is its own
+
+    @staticmethod
+    def gpu_capacity(options: StepOptions | None = None) -> tuple[int, str]:
+        """The containers share the Docker host's GPUs (sysfs shows the host's inside a container too)."""
+        return host_gpus(), "the Docker host has (its PCI bus)"
 
     def service_host(self, handle: DockerAttempt) -> str:
         """A replica is a sibling container: by its name where this runner is a container on the

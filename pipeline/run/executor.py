@@ -201,6 +201,11 @@ class Executor(Protocol):
         given a step's ``options``, what that step can have (a Slurm step: the largest node of its
         own partition)."""
 
+    def gpu_capacity(self, options: StepOptions | None = None) -> tuple[int, str]:
+        """The GPUs this executor's attempts share (local, docker: the host's), or, under a
+        scheduler that admits by memory, the most one attempt can have (a Slurm job: the largest
+        node of its partition); and the words a refusal ends with: "more than the N GPU(s) {those}"."""
+
     service_host: Callable[[RunningAttempt], str] | None
     """Where a service's replica this executor started is reached: the host of its URL (its port is
     the one the runner chose). None when this executor does not run services."""

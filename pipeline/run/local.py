@@ -17,6 +17,7 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
+from pipeline.run.host_gpus import host_gpus
 from pipeline.run.monitor import CgroupMonitor
 
 # A recorded pid is the attempt's own only if that process began with the attempt (not a later
@@ -117,6 +118,11 @@ class LocalExecutor:
         return memory_budget()
 
     host_memory = memory_budget
+
+    @staticmethod
+    def gpu_capacity(options: StepOptions | None = None) -> tuple[int, str]:
+        """The steps and services share this host's GPUs."""
+        return host_gpus(), "this host has (its PCI bus)"
 
     @staticmethod
     def service_host(handle: object) -> str:

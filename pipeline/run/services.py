@@ -139,6 +139,7 @@ def check_placement(
             "run with --executor local, or start the server yourself and give the steps its URL"
         )
     for service in started:
+        _check_gpus(pipeline_path, executor, service, spec.executor_options(executor.name, service.name))
         if executor.admits_by_memory:
             own = executor.memory_budget(spec.executor_options(executor.name, service.name))
             if service.memory > own.available:
@@ -157,6 +158,26 @@ def check_placement(
                 f"than the {format_size(pool)} this host really has (set by {binding}); lower "
                 "its replicas or memory"
             )
+
+
+def _check_gpus(
+    pipeline_path: Path, executor: Executor, service: ServiceSpec, options: StepOptions | None
+) -> None:
+    """Refuse replicas that ask for more GPUs than there are: together on one host (local, docker),
+    or each in a job of its own (Slurm)."""
+    if not service.gpus:
+        return
+    have, where = executor.gpu_capacity(options)
+    if executor.admits_by_memory:
+        need, asked = service.gpus, f"{service.gpus} per replica"
+    else:
+        need = service.gpus * service.replicas
+        asked = f"{service.replicas} replica(s) of {service.gpus} need {need}"
+    if need > have:
+        raise PipelineError(
+            f"{pipeline_path}: services ({service.name}).gpus: {asked}, more than the {have} GPU(s) "
+            f"{where}; lower its gpus or replicas"
+        )
 
 
 def answers_health(url: str, timeout: float = HEALTH_REQUEST_S) -> bool:

@@ -138,7 +138,9 @@ def main(command: str, args: list[str]) -> int:
                 print("\n".join(name + ("*" if i == 0 else "") for i, name in enumerate(partitions)))
             else:
                 wanted = (_option(args, "-p") or next(iter(partitions))).split(",")
-                print("\n".join(f"{n}|{h}|{m}" for p in wanted for n, h, m in partitions.get(p, [])))
+                # A node is [name, hostname, memory MiB] and, with GPUs, its Gres.
+                nodes = [[*node, "(null)"][:4] for p in wanted for node in partitions.get(p, [])]
+                print("\n".join("|".join(map(str, node)) for node in nodes))
             return 0
     time.sleep(3600)  # a command that hangs: the caller's timeout ends it
     return 1

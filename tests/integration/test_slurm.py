@@ -8,6 +8,7 @@ does not answer is a failure. Elsewhere these tests skip without one.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from eyrie_testing import (
     SCENARIOS,
     attempts_json,
     eyrie,
+    kill_target_mid_generate,
     run_real_job,
 )
 
@@ -432,6 +434,42 @@ def test_the_real_pipeline_file_runs_its_target_service_as_a_job_with_no_server_
     assert _active(run_dir) == []
 
 
+def _serving_in_job(run_dir: Path) -> int | None:
+    """The pid of the server in the target replica's running job, as the node lists it (the one
+    node is this host): the process the job's wrapper started (`eyrie serve`, which became the
+    server). None before the job runs."""
+    if not (run_dir / ".eyrie").exists():
+        return None
+    jobs = [a["location"].split()[-1] for a in attempts_json(run_dir)
+            if a["step"] == "target" and a["verdict"] is None and a["location"]]  # fmt: skip
+    for job in jobs:
+        listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True).stdout
+        parents = {}
+        for pid in (int(line.split()[0]) for line in listed.splitlines() if line.split()[0].isdigit()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            parents[pid] = (int(re.search(r"^PPid:\s+(\d+)", status, re.M).group(1)), argv)
+        wrappers = {pid for pid, (_, argv) in parents.items() if b"pipeline.run.container_init" in argv}
+        served = [pid for pid, (parent, _) in parents.items() if parent in wrappers]
+        if served:
+            return served[0]
+    return None
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_replica_job_killed_mid_generate_is_submitted_again_and_no_row_is_lost_or_repeated(tmp_path):
+    from pipeline.embedded.tiny import ensure_tiny_target
+
+    target = ensure_tiny_target(tmp_path / "target")
+    out = kill_target_mid_generate(tmp_path, target, _serving_in_job, "--executor", "slurm")
+    first, second = [a for a in attempts_json(tmp_path / "run") if a["step"] == "target"]
+    assert first["location"] != second["location"]  # a job of its own
+    assert _active(tmp_path / "run") == [], out
+
+
 @pytest.mark.usefixtures("cluster")
 def test_a_rerun_goes_on_with_the_replica_job_a_killed_runner_left_when_its_command_is_unchanged(tmp_path):
     server = REPO / "tests" / "scenarios" / "server.py"
@@ -478,12 +516,19 @@ steps:
 
 
 @pytest.mark.usefixtures("cluster")
-def test_a_replica_larger_than_any_node_is_refused_before_anything_is_submitted(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+@pytest.mark.parametrize(
+    ("asks", "says"),
+    [
+        ("memory: 64TiB", "services (web).memory: 64.00 TiB exceeds the"),
+        ("memory: 64MiB\n    gpus: 4096", "services (web).gpus: 4096 per replica, more than the"),
+    ],
+)
+def test_a_replica_larger_than_any_node_is_refused_before_anything_is_submitted(tmp_path, asks, says):
+    pipeline = write_pipeline(tmp_path, f"""
 services:
   - name: web
-    command: [PYTHON, -m, http.server, "${EYRIE_SERVICE_PORT}"]
-    memory: 64TiB
+    command: [PYTHON, -m, http.server, "${{EYRIE_SERVICE_PORT}}"]
+    {asks}
 steps:
   - name: ask
     command: ["true"]
@@ -493,5 +538,5 @@ steps:
     result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), "--executor", "slurm")
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "services (web).memory: 64.00 TiB exceeds the" in line and "a replica can have" in line
+    assert says in line and ("a replica can have" in line or "a node of Slurm's partition" in line), line
     assert not (tmp_path / "run").exists()  # nothing made, so nothing submitted

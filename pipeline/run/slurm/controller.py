@@ -10,9 +10,11 @@ wait on or refuse with.
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import time
+from typing import NamedTuple
 
 from pipeline.run.executor import ExecutorError, ExecutorUnavailable
 from pipeline.run.grid import JobWatcher
@@ -198,16 +200,31 @@ def default_partition() -> str:
     return default[0]
 
 
-def nodes_of(partitions: set[str | None]) -> list[tuple[str, str, int]]:
-    """(node name, node hostname, memory MiB) of every node in ``partitions`` (None: the default)."""
+class Node(NamedTuple):
+    name: str
+    hostname: str
+    memory_mib: int
+    gpus: int
+    """Its generic resources' GPUs (``Gres=gpu:8``, ``gpu:a100:4``): what ``--gres=gpu:N`` can ask."""
+
+
+def gres_gpus(gres: str) -> int:
+    """The GPUs in a node's generic resources as sinfo's ``%G`` shows them (``gpu:a100:4(S:0-1),
+    gpu:v100:2`` has 6; ``(null)`` none)."""
+    return sum(int(count) for count in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
+
+
+def nodes_of(partitions: set[str | None]) -> list[Node]:
+    """Every node in ``partitions`` (None: the default)."""
     named = sorted({p or default_partition() for p in partitions})
-    result = run_until_answered("sinfo", "-h", "-N", "-p", ",".join(named), "-o", "%N|%n|%m")
+    result = run_until_answered("sinfo", "-h", "-N", "-p", ",".join(named), "-o", "%N|%n|%m|%G")
     if result.returncode != 0:
         raise ExecutorError(f"cannot ask Slurm for its nodes (sinfo: {last_line(result)})")
     nodes = []
     for line in result.stdout.splitlines():
-        name, hostname, memory = (line.split("|") + ["", ""])[:3]
-        nodes.append((name, hostname, int(memory.rstrip("+")) if memory.rstrip("+").isdigit() else 0))
+        name, hostname, memory, gres = (line.split("|") + ["", "", ""])[:4]
+        memory_mib = int(memory.rstrip("+")) if memory.rstrip("+").isdigit() else 0
+        nodes.append(Node(name, hostname, memory_mib, gres_gpus(gres)))
     if not nodes:
         raise ExecutorError(
             f"Slurm lists no node in partition {', '.join(named)}; check slurm: partition in the pipeline"

@@ -56,20 +56,31 @@ class SlurmExecutor:
         """Names of jobs whose submission got no answer: looked up before they are submitted again."""
 
     # -- before anything starts --------------------------------------------------------
-    def memory_budget(self, options: StepOptions | None = None) -> Budget:
-        """What one step can have: the largest node's memory in its partition (``options``'s, else
-        the pipeline's, else Slurm's default). Slurm admits jobs by their --mem."""
+    def _partition(self, options: StepOptions | None) -> str:
+        """A step's partition: its ``options``'s, else the pipeline's, else Slurm's default."""
         own = options.partition if isinstance(options, SlurmOptions) else None
-        partition = own or self.options.partition or controller.default_partition()
-        largest = max(memory for _, _, memory in controller.nodes_of({partition})) * MIB
-        where = f"partition {partition}"
+        return own or self.options.partition or controller.default_partition()
+
+    def memory_budget(self, options: StepOptions | None = None) -> Budget:
+        """What one step can have: the largest node's memory in its partition. Slurm admits jobs by
+        their --mem."""
+        partition = self._partition(options)
+        largest = max(node.memory_mib for node in controller.nodes_of({partition})) * MIB
         return Budget(
             available=largest,
             mem_total=largest,
             mem_available=largest,
             cgroup_version=None,
-            binding=f"the largest node in Slurm's {where}; the cluster admits steps by their --mem",
+            binding=f"the largest node in Slurm's partition {partition}; the cluster admits steps by "
+            "their --mem",
         )
+
+    def gpu_capacity(self, options: StepOptions | None = None) -> tuple[int, str]:
+        """The most GPUs one job can have: those of the largest node in its partition; and where
+        that was read."""
+        partition = self._partition(options)
+        gpus = max(node.gpus for node in controller.nodes_of({partition}))
+        return gpus, f"a node of Slurm's partition {partition} has at most (its Gres)"
 
     def preflight(self, run_dir: Path, options: dict[str, StepOptions]) -> None:
         """The run directory must be one the nodes see: on a shared filesystem, or the nodes are this host."""
@@ -79,7 +90,7 @@ class SlurmExecutor:
         partitions = {o.partition if isinstance(o, SlurmOptions) else None for o in options.values()}
         me = {grid.short_hostname(socket.gethostname()), grid.short_hostname(socket.getfqdn())}
         nodes = controller.nodes_of(partitions)
-        others = sorted({name for name, hostname, _ in nodes if grid.short_hostname(hostname) not in me})
+        others = sorted({node.name for node in nodes if grid.short_hostname(node.hostname) not in me})
         if others:
             shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
             raise ExecutorError(

@@ -21,6 +21,7 @@ from pipeline.run.executor import (
     executor_class,
 )
 from pipeline.run.grid import merge_reports
+from pipeline.run.host_gpus import host_gpus
 from pipeline.run.slurm import SlurmOptions, batch_script, parse_exit_code, parse_job_record, sbatch_argv
 from pipeline.run.spec import PipelineError, load_pipeline
 from pipeline.run.verdict import Verdict, decide
@@ -405,3 +406,30 @@ def test_sbatch_args_eyrie_does_not_set_pass_through():
     args = ["--qos=high", "--constraint=h100", "--begin=now+1hour", "--exclusive", "--mem-bind=local",
             "--gres-flags=enforce-binding", "--time-min=30", "--nodelist=gpu01", "-q", "high"]  # fmt: skip
     assert SlurmOptions(sbatch_args=args).sbatch_args == args
+
+
+# -- GPUs: what services' replicas are checked against ------------------------------------------
+
+
+def test_the_hosts_gpus_are_the_nvidia_display_and_3d_controllers_on_its_pci_bus(tmp_path):
+    devices = tmp_path / "bus" / "pci" / "devices"
+    for address, vendor, klass in [
+        ("0000:17:00.0", "0x10de", "0x030200"),  # an H200: a 3D controller
+        ("0000:65:00.0", "0x10de", "0x030000"),  # a workstation GPU: VGA
+        ("0000:c0:00.0", "0x10de", "0x068000"),  # an NVSwitch: a bridge
+        ("0000:00:02.0", "0x8086", "0x030000"),  # the board's own graphics
+    ]:
+        (devices / address).mkdir(parents=True)
+        (devices / address / "vendor").write_text(vendor + "\n")
+        (devices / address / "class").write_text(klass + "\n")
+    assert host_gpus(tmp_path) == 2
+    assert host_gpus(tmp_path / "no-sysfs") == 0
+
+
+@pytest.mark.parametrize(
+    ("gres", "gpus"),
+    [("gpu:8", 8), ("gpu:h200:4(S:0-1)", 4), ("gpu:a100:4(S:0-1),gpu:v100:2", 6), ("mps:100,gpu:2", 2),
+     ("(null)", 0), ("", 0)],
+)  # fmt: skip
+def test_a_nodes_gpus_are_read_from_its_gres_as_sinfo_shows_it(gres, gpus):
+    assert slurm.controller.gres_gpus(gres) == gpus

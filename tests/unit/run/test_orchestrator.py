@@ -21,6 +21,7 @@ from pipeline.run.executor import ExecutorError, ExecutorUnavailable, Launch, Ou
 from pipeline.run.ledger import Ledger
 from pipeline.run.orchestrator import Orchestrator, RunResult
 from pipeline.run.recovery import RunDirBusy
+from pipeline.run.services import check_placement
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.step_contract import MANIFEST_NAME
 from tests.fakes.fake_slurm import FakeSlurm
@@ -503,6 +504,34 @@ def test_each_slurm_step_is_checked_against_the_nodes_of_its_own_partition(tmp_p
         runner.run()
     refused = "steps (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
     assert f"{refused} in Slurm's partition debug" in str(info.value)
+    assert fake_slurm.calls("sbatch") == []
+
+
+def test_a_slurm_replica_asking_for_more_gpus_than_any_node_of_its_partition_has_is_refused(
+    tmp_path, fake_slurm
+):
+    host = os.uname().nodename
+    gpu_nodes = [["gpu1", host, 65536, "gpu:h200:4(S:0-1)"], ["gpu2", host, 65536, "gpu:h200:8(S:0-1)"]]
+    fake_slurm.set(partitions={"debug": [["node1", host, 8192]], "gpu": gpu_nodes})
+    service = {"name": "target", "command": ["serve"], "memory": "1GiB", "replicas": 4}
+    steps = [{"name": "generate", "command": ["true"], "memory": "64MiB", "uses": ["target"]}]
+    path = tmp_path / "pipeline.yaml"
+
+    def check(**fields) -> str | None:
+        path.write_text(yaml.safe_dump({"services": [{**service, **fields}], "steps": steps}))
+        try:
+            check_placement(load_pipeline(path), path, slurm.SlurmExecutor(), 2**40, "the cluster")
+        except PipelineError as exc:
+            return str(exc)
+        return None
+
+    # Each replica is a job of its own: 4 replicas of 8 GPUs pass where the largest node has 8.
+    assert check(gpus=8, slurm={"partition": "gpu"}) is None
+    assert check(gpus=9, slurm={"partition": "gpu"}) == (
+        f"{path}: services (target).gpus: 9 per replica, more than the 8 GPU(s) a node of Slurm's "
+        "partition gpu has at most (its Gres); lower its gpus or replicas"
+    )
+    assert "more than the 0 GPU(s) a node of Slurm's partition debug" in check(gpus=1)
     assert fake_slurm.calls("sbatch") == []
 
 

@@ -250,6 +250,22 @@ def test_replicas_that_cannot_fit_beside_their_user_are_refused_before_anything_
     assert not (tmp_path / "run").exists()  # nothing half-made
 
 
+def test_replicas_asking_for_more_gpus_than_the_host_has_are_refused_before_anything_starts(
+    tmp_path, real_cgroups
+):
+    # They run side by side on this host: 64 of 64 GPUs is more than any host has.
+    path = pipeline(tmp_path, [web(replicas=64, gpus=64)], [USER])
+    result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert re.search(
+        r"services \(web\)\.gpus: 64 replica\(s\) of 64 need 4096, more than the \d+ GPU\(s\) this host "
+        r"has \(its PCI bus\); lower its gpus or replicas",
+        line,
+    ), line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_running_service_holds_its_memory_in_the_budget(tmp_path, real_cgroups):
     # 128 MiB of service and two 64 MiB steps do not fit in 200 MiB together: the two steps never
     # run at once while the service runs, whichever starts first.
