@@ -293,6 +293,7 @@ class Services:
         spec = self._specs[name]
         if spec.external:
             self._replicas[name] = [Replica(spec, i + 1, 0, url) for i, url in enumerate(spec.external)]
+            self._publish(name)  # over what an earlier run that started it left
             self._state[name] = ServiceState.READY
             self._reporter.note(f"{name}: the external server at {', '.join(spec.external)}; nothing started")
             self.changed.set()

@@ -26,6 +26,7 @@ from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.spec import PipelineError, load_pipeline
+from pipeline.run.step_contract import atomic_write_text
 
 SERVER = str(REPO / "tests" / "scenarios" / "server.py")
 SCENARIO = str(REPO / "tests" / "scenarios" / "scenario.py")
@@ -326,20 +327,23 @@ def attempts_or_none(run_dir: Path) -> dict[str, list]:
 
 
 def test_a_service_given_a_url_is_an_external_server_nothing_starts_and_its_users_get_it(tmp_path):
-    user = {
-        "name": "ask",
-        "command": ["sh", "-c", 'echo "$EYRIE_SERVICE_WEB_URLS" > urls.txt'],
-        "memory": "16MiB",
-        "uses": ["web"],
-    }
+    # What the step is given, and what the step contract reads: the external URL, whatever an
+    # earlier run that started the service itself left in the run directory.
+    write_urls = (
+        "import os; from pipeline.run.step_contract import service_urls\n"
+        "given, read = os.environ['EYRIE_SERVICE_WEB_URLS'], ','.join(service_urls('web'))\n"
+        "open('urls.txt', 'w').write(given + '\\n' + read)\n"
+    )
+    user = {"name": "ask", "command": [sys.executable, "-c", write_urls], "memory": "64MiB", "uses": ["web"]}
     external = web(url="${TEST_SERVER_URL:-}", command=["false"])
     path = pipeline(tmp_path, [external], [user])
+    atomic_write_text(service_urls_path(tmp_path / "run", "web"), "http://127.0.0.1:9\n")
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "TEST_SERVER_URL": "http://elsewhere:8000/"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "run" / "ask" / "urls.txt").read_text() == "http://elsewhere:8000\n"
+    assert (tmp_path / "run" / "ask" / "urls.txt").read_text() == "http://elsewhere:8000\nhttp://elsewhere:8000"
     assert set(attempts(tmp_path / "run")) == {"ask"}  # no replica was started
     assert "web: the external server at http://elsewhere:8000; nothing started" in result.stdout
 
