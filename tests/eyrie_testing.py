@@ -36,11 +36,12 @@ def playbook_roles() -> list[str]:
     return [entry["role"] if isinstance(entry, dict) else entry for entry in play["roles"]]
 
 
-def eyrie(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the real `eyrie` command line in a subprocess."""
+def eyrie(*args: str, check: bool = False, timeout: float = 300,
+          settings: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run the real `eyrie` command line in a subprocess (``settings``: on top of this environment)."""
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False,
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, check=False, env={**os.environ, **(settings or {})},
     )  # fmt: skip
     if check and result.returncode != 0:
         raise AssertionError(

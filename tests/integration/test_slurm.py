@@ -365,11 +365,13 @@ steps:
     assert not (run_dir / "a").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
 @pytest.mark.timeout(1200)
 def test_the_embedded_demo_runs_end_to_end_under_slurm(tmp_path):
     # Every step of the demo, as `make demo` runs them, training cut to 4 steps: tests/e2e/test_demo.py
-    # runs the whole of it; here what counts is that each step runs as a Slurm job.
+    # runs the whole of it; here what counts is that each step runs as a Slurm job. Slow: the real
+    # pipeline file's run under Slurm, in the default suite, runs each of its steps as a job too.
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "--run-dir", str(run_dir),
             "--executor", "slurm"]  # fmt: skip
