@@ -265,15 +265,12 @@ class DockerAttempt:
             # PID 1 itself died (killed after the stop grace, or by the OOM killer): only the
             # engine's view is left. Its exit status is PID 1's, a signal when above 128.
             code = (self._status or {}).get("StatusCode")
-            return Outcome(
+            return Outcome.unwatched(
+                self.started_at,
                 exit_code=code if code is not None and code < 128 else None,
                 signal=code - 128 if code is not None and code > 128 else None,
-                oom_kills_before=0,
                 oom_kills_after=min(engine_ooms, 1),  # events are notifications, not kills (below)
                 oom_at=first_oom,
-                peak_bytes=None,
-                anon_peak_bytes=None,
-                started_at=self.started_at,
                 ended_at=ended_at,
                 stopped_by=self._stopped_by,
                 stderr_tail=list(self._err.tail),

@@ -18,6 +18,7 @@ import importlib
 import json
 import signal as signals
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,16 @@ class Outcome:
     """Where the facts came from when not from the step's own cgroup (an engine's or scheduler's view)."""
     thrash: str | None = None
     """Set when the runner killed the attempt for thrashing at its memory limit: the evidence."""
+
+    @classmethod
+    def unwatched(cls, started_at: float, **known: Any) -> Outcome:
+        """An end that no cgroup of the attempt's own saw, now: what is ``known`` of it (an engine's
+        or scheduler's exit status, the runner's error), and no exit status, OOM kill or peak else."""
+        nothing = {
+            "exit_code": None, "signal": None, "oom_kills_before": 0, "oom_kills_after": 0,
+            "oom_at": None, "peak_bytes": None, "anon_peak_bytes": None, "ended_at": time.time(),
+        }  # fmt: skip
+        return cls(started_at=started_at, **{**nothing, **known})
 
     @property
     def oom_kills(self) -> int:

@@ -693,16 +693,8 @@ class Orchestrator:
         except Exception:  # noqa: BLE001 - the error above is what gets recorded
             if running.detached:
                 return None
-        return Outcome(
-            exit_code=None,
-            signal=None,
-            oom_kills_before=0,
-            oom_kills_after=0,
-            oom_at=None,
-            peak_bytes=None,
-            anon_peak_bytes=None,
-            started_at=running.started_at,
-            ended_at=time.time(),
+        return Outcome.unwatched(
+            running.started_at,
             stderr_tail=[f"eyrie: lost track of the attempt: {error}"],
             where=running.handle.where,
             runner_error=error,

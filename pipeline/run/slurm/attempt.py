@@ -140,16 +140,8 @@ class SlurmAttempt:
             )
         missing = f"{expected - len(reports)} of {expected} in-job report(s) missing"
         if state is None:
-            return Outcome(
-                exit_code=None,
-                signal=None,
-                oom_kills_before=0,
-                oom_kills_after=0,
-                oom_at=None,
-                peak_bytes=None,
-                anon_peak_bytes=None,
-                started_at=self.started_at,
-                ended_at=time.time(),
+            return Outcome.unwatched(
+                self.started_at,
                 runner_error=(
                     f"job {self.job_id} ended with its in-job report missing, and Slurm no longer "
                     "knows it (scontrol has forgotten it; sacct has no accounting)"
@@ -158,16 +150,11 @@ class SlurmAttempt:
             )
         exit_code, sig = controller.parse_exit_code(code)
         oom = state == "OUT_OF_MEMORY"
-        return Outcome(
+        return Outcome.unwatched(
+            self.started_at,
             exit_code=None if oom else exit_code,
             signal=signal.SIGKILL if oom else sig,
-            oom_kills_before=0,
             oom_kills_after=1 if oom else 0,
-            oom_at=None,
-            peak_bytes=None,
-            anon_peak_bytes=None,
-            started_at=self.started_at,
-            ended_at=time.time(),
             evidence=f"Slurm's state {state}, ExitCode {code} for job {self.job_id} ({told_by}; {missing})",
             **common,
         )
