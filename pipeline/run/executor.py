@@ -128,8 +128,9 @@ class Outcome:
 
     @classmethod
     def unwatched(cls, started_at: float, **known: Any) -> Outcome:
-        """An end that no cgroup of the attempt's own saw, now: what is ``known`` of it (an engine's
-        or scheduler's exit status, the runner's error), and no exit status, OOM kill or peak else."""
+        """An end, now, that no cgroup of the attempt's own saw: what is ``known`` of it (an engine's
+        or a scheduler's exit status, the runner's error), and past that no exit status, OOM kill
+        or peak."""
         nothing = {
             "exit_code": None, "signal": None, "oom_kills_before": 0, "oom_kills_after": 0,
             "oom_at": None, "peak_bytes": None, "anon_peak_bytes": None, "ended_at": time.time(),

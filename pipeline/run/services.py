@@ -139,9 +139,10 @@ def check_placement(
             "run with --executor local, or start the server yourself and give the steps its URL"
         )
     for service in started:
-        _check_gpus(pipeline_path, executor, service, spec.executor_options(executor.name, service.name))
+        options = spec.executor_options(executor.name, service.name)
+        _check_gpus(pipeline_path, executor, service, options)
         if executor.admits_by_memory:
-            own = executor.memory_budget(spec.executor_options(executor.name, service.name))
+            own = executor.memory_budget(options)
             if service.memory > own.available:
                 raise PipelineError(
                     f"{pipeline_path}: services ({service.name}).memory: {format_size(service.memory)} "

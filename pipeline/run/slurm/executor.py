@@ -76,8 +76,8 @@ class SlurmExecutor:
         )
 
     def gpu_capacity(self, options: StepOptions | None = None) -> tuple[int, str]:
-        """The most GPUs one job can have: those of the largest node in its partition; and where
-        that was read."""
+        """The most GPUs one job can have: those of the node of its partition with the most (its
+        Gres); and the words a refusal ends with."""
         partition = self._partition(options)
         gpus = max(node.gpus for node in controller.nodes_of({partition}))
         return gpus, f"a node of Slurm's partition {partition} has at most (its Gres)"
