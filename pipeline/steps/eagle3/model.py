@@ -9,12 +9,12 @@ Shapes: B batch, T positions, H hidden, K training-time-test steps.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -22,6 +22,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
+
+from pipeline.steps.eagle3.attention import ttt_attention
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -105,35 +107,12 @@ def aux_layer_ids(config: LlamaConfig) -> list[int]:
     return list(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
 
 
-# ---------------------------------------------------------------- attention
-
-
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of training-time-test step k = len(keys) - 1.
-
-    ``q``: (B, h, T, d); ``keys[j]``/``values[j]``: (B, h, T, d), step j's keys and values.
-    A query at position p sees the step-0 keys at positions <= p (causal) and, of
-    steps 1..k, only the key at its own position p: the chain of drafts built on p.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    T = q.shape[-2]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
-    # Softmax in at least fp32 (bf16 scores lose the small probabilities).
-    probs = torch.softmax(
-        torch.cat(scores, dim=-1), dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)
-    )
-    probs = probs.to(q.dtype)
-    out = probs[..., :T] @ values[0]
-    for j, v in enumerate(values[1:], start=1):
-        out = out + probs[..., T + j - 1 : T + j] * v
-    return out
+# ---------------------------------------------------------------- layers
 
 
 @dataclass
 class StepCache:
-    """Keys and values of the TTT steps run so far (one entry per step)."""
+    """Keys and values of the TTT steps run so far (one entry per step), at the KV heads' width."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -157,17 +136,16 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StepCache):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys, values):
+        """(output, this step's keys, its values): the step sees ``keys``/``values`` of the steps
+        before it and its own (pure: a recomputed step gives the same three)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        group = self.heads // self.kv_heads
-        cache.keys.append(k.repeat_interleave(group, dim=1))
-        cache.values.append(v.repeat_interleave(group, dim=1))
-        out = ttt_attention(q, cache.keys, cache.values)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = ttt_attention(q, [*keys, k], [*values, v])
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class DraftDecoderLayer(nn.Module):
@@ -181,10 +159,12 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, cache: StepCache) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, keys, values):
+        """(the step's output, its keys, its values), as :meth:`DraftAttention.forward`."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, cos, sin, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended, k, v = self.self_attn(x, cos, sin, keys, values)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), k, v
 
 
 class Eagle3Draft(nn.Module):
@@ -221,26 +201,44 @@ class Eagle3Draft(nn.Module):
 
         Step 0 takes ``hidden = project(features)``; step k+1 takes step k's output.
         """
+        out, k, v = self._step(tokens, hidden, positions, tuple(cache.keys), tuple(cache.values))
+        cache.keys.append(k)
+        cache.values.append(v)
+        return out
+
+    def _step(self, tokens, hidden, positions, keys: tuple, values: tuple):
         cos, sin = self.rotary(hidden, positions)
-        return self.midlayer(self.embed_tokens(tokens), hidden, cos, sin, cache)
+        return self.midlayer(self.embed_tokens(tokens), hidden, cos, sin, keys, values)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of a step's output."""
         return self.lm_head(self.norm(out))
 
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, features: torch.Tensor, steps: int, recompute: bool = False
+    ) -> list[torch.Tensor]:
         """All ``steps`` TTT outputs for teacher-forced tokens: step k sees ``tokens`` shifted by k.
 
         ``tokens[:, p]`` is the token after position p; ``features`` (B, T, 3H) the target's.
         Step k runs at positions p + k, as a chain built on p runs at inference.
+
+        ``recompute``: keep only each step's inputs, output, keys and values for the backward and
+        run the step again there (activation checkpointing): a step's layer keeps some 20 hidden
+        widths a position otherwise.
         """
         B, T = tokens.shape
-        cache = StepCache.empty()
+        keys: tuple = ()
+        values: tuple = ()
         hidden = self.project(features)
         base = torch.arange(T, device=tokens.device).expand(B, T)
         outs = []
         for k in range(steps):
-            hidden = self.step(shift_left(tokens, k), hidden, base + k, cache)
+            args = (shift_left(tokens, k), hidden, base + k, keys, values)
+            if recompute and torch.is_grad_enabled():
+                hidden, key, value = checkpoint(self._step, *args, use_reentrant=False)
+            else:
+                hidden, key, value = self._step(*args)
+            keys, values = (*keys, key), (*values, value)
             outs.append(hidden)
         return outs
 
@@ -252,7 +250,7 @@ def shift_left(x: torch.Tensor, by: int, fill: int | float = 0) -> torch.Tensor:
     """``x[:, p + by]`` at position p, ``fill`` past the end."""
     if by == 0:
         return x
-    pad = x.new_full((x.shape[0], by, *x.shape[2:]), fill)
+    pad = x.new_full((x.shape[0], min(by, x.shape[1]), *x.shape[2:]), fill)  # a row shorter than ``by``
     return torch.cat([x[:, by:], pad], dim=1)
 
 

@@ -61,6 +61,9 @@ class TrainConfig(BaseModel):
     """Share of the rows held out for evaluation (and for eyrie accept)."""
     loss_chunk: int = Field(512, ge=1)
     """Positions whose draft-vocabulary logits are computed at once (recomputed in backward)."""
+    recompute_steps: bool = True
+    """Run each TTT step's layer again in the backward instead of keeping its activations: about a
+    tenth of the memory a row takes, for about a fifth more time a step (benchmarks/README.md)."""
     eval_prompts: int = Field(32, ge=0)
     """Held-out prompts decoded for eval.json."""
     eval_max_new_tokens: int = Field(64, ge=1)

@@ -66,34 +66,38 @@ class TrainingInputError(ValueError):
 class DraftLoss(nn.Module):
     """The draft plus its TTT loss, as one module so DDP sees every parameter used in forward."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, chunk: int):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, chunk: int, recompute: bool = False):
         super().__init__()
-        self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
+        self.draft, self.steps, self.decay, self.chunk, self.recompute = draft, steps, decay, chunk, recompute
 
     def forward(self, input_ids, loss_mask, target: TargetBatch):
         # Position p sees the token after it (p + 1) and the target's feature at p.
-        outs = self.draft(shift_left(input_ids, 1), target.features, self.steps)
+        outs = self.draft(shift_left(input_ids, 1), target.features, self.steps, self.recompute)
         total = torch.zeros((), device=input_ids.device)
         stats = []
+        T = input_ids.shape[1]
         for k, out in enumerate(outs):
-            # Step k at p predicts token p + 2 + k; its teacher is the target's distribution at p + 1 + k.
-            teacher = shift_left(target.teacher, k + 1)
-            mask = shift_left(loss_mask, k + 2, False) & shift_left(target.in_draft_vocab, k + 1, False)
-            loss_sum, correct, count = self._chunked_loss(out, teacher, mask)
+            # Step k at p predicts token p + 2 + k; its teacher is the target's distribution at
+            # p + 1 + k. Views, not shifted copies: the chunks keep what they are given for the backward.
+            reach = max(0, T - k - 1)
+            teacher = target.teacher[:, k + 1 :]
+            mask = shift_left(loss_mask, k + 2, False)[:, :reach] & target.in_draft_vocab[:, k + 1 :]
+            loss_sum, correct, count = self._chunked_loss(out[:, :reach], teacher, mask)
             total = total + self.decay**k * loss_sum / count.clamp(min=1)
             stats.append((loss_sum.detach(), correct, count))
         return total, stats
 
     def _chunked_loss(self, out, teacher, mask):
         """Loss over the draft vocabulary a chunk of positions at a time, logits recomputed in backward."""
-        sums = []
+        zero = torch.zeros((), device=out.device, dtype=torch.long)
+        sums = [zero.float(), zero, zero]  # loss sum, correct argmax count, position count
         for start in range(0, out.shape[1], self.chunk):
             part = slice(start, start + self.chunk)
-            sums.append(
-                checkpoint(self._chunk, out[:, part], teacher[:, part], mask[:, part], use_reentrant=False)
+            chunk = checkpoint(
+                self._chunk, out[:, part], teacher[:, part], mask[:, part], use_reentrant=False
             )
-        loss, correct, count = (torch.stack(x).sum() for x in zip(*sums, strict=True))
-        return loss, correct, count
+            sums = [a + b for a, b in zip(sums, chunk, strict=True)]
+        return tuple(sums)
 
     def _chunk(self, out, teacher, mask):
         return soft_cross_entropy(self.draft.logits(out), teacher, mask)
@@ -113,6 +117,7 @@ _NOT_TRAINING = {
     "trust_remote_code",
     "release_target",
     "precision",
+    "recompute_steps",
 }
 
 
@@ -280,7 +285,9 @@ def plan_for(
     )
     if draft_needs is None:
         element = torch.finfo(dtype).bits // 8
-        draft_needs = draft_bytes(draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element)
+        draft_needs = draft_bytes(
+            draft, batch_tokens, longest, cfg.ttt_steps, cfg.loss_chunk, element, cfg.recompute_steps
+        )
     devices = devices or measure_devices(every_gpu=world == 1)
     return plan_placement(
         placement or cfg.target_placement, units, devices, draft_needs, world, features_pass
@@ -480,7 +487,7 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     folder = cfg.out_dir / "checkpoints" / run_key(cfg, world)
     start = _resume_or_start(cfg, folder, rank, world, local, trained, total, log)
 
-    module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk)
+    module = DraftLoss(draft, cfg.ttt_steps, cfg.loss_decay, cfg.loss_chunk, cfg.recompute_steps)
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
     started, tokens_seen, last = time.monotonic(), 0, {}
     for step in range(start, total):

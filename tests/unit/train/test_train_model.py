@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.steps.eagle3 import decoding
+from pipeline.steps.eagle3.attention import ttt_attention
 from pipeline.steps.eagle3.decoding import eos_ids_of, propose, real_acceptance, speculative_generate
 from pipeline.steps.eagle3.export import export_draft, load_draft
-from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, ttt_attention, vocab_map
+from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.shards import Example
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.loop import simulated_acceptance
@@ -193,7 +194,7 @@ def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
                                   do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
         return out[0, len(ids) :].tolist()
 
-    def own_tokens_one_corrupted(_draft, ids, _features, steps):
+    def own_tokens_one_corrupted(_draft, ids, _features, steps, cache=None):
         own = greedy_after(ids, steps)
         depth = rng.randint(0, steps)  # steps: nothing corrupted, the whole chain is the target's
         depths.append(depth)
