@@ -402,9 +402,12 @@ def _report_failed(results: list[SourceResult], failed: list[SourceResult]) -> i
 
 
 def _report_done(catalog: Catalog, results: list[SourceResult]) -> None:
-    """The counts, and a warning for each source that lost rows to roles it does not map."""
+    """The counts, and a warning for each source that lost rows to roles it does not map or to a
+    file cut short."""
     console.print(counts_table(results))
     for source, r in zip(catalog.sources, results, strict=True):  # results are in catalog order
+        for cut in r.cut_short:
+            console.print(f"[yellow]warning:[/] source {r.name!r}: {escape(cut)}", soft_wrap=True)
         if r.unknown_roles:
             lost, hint = sum(r.unknown_roles.values()), unknown_roles_hint(source, r.unknown_roles)
             console.print(f"[yellow]warning:[/] source {r.name!r}: {lost} rows rejected: {escape(hint)}")

@@ -1,4 +1,5 @@
-"""Reading one source: open it through HF ``datasets`` (streaming), adapt each row, count everything.
+"""Reading one source: open it (local JSON as it is, the rest through HF ``datasets``, streaming),
+adapt each row, count everything.
 
 A source runs in one worker process, or, when workers outnumber sources, in
 several, each reading a contiguous slice of it (its files or parquet row
@@ -22,7 +23,7 @@ import hashlib
 import json
 import resource
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from pipeline.steps.prep.adapters import (
     found_keys,
 )
 from pipeline.steps.prep.catalog import ID_FIELD, LOCAL_SUFFIXES, Source
+from pipeline.steps.prep.json_files import JsonFileError, JsonRows
 from pipeline.steps.records import position_id, record_id, tokenized_schema, tokens_key
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -66,6 +68,8 @@ class SourceResult:
     rejected: dict[str, int] = field(default_factory=dict)
     unknown_roles: dict[str, int] = field(default_factory=dict)
     """Speaker names the role map lacks, with the rows they cost."""
+    cut_short: list[str] = field(default_factory=list)
+    """Each of its files that ends inside a record: where, and the bytes left unread."""
     error: str | None = None
     bad_input: bool = False
     """Whether ``error`` is the catalog's or the data's (fixed there), not a failure a rerun may not meet."""
@@ -82,6 +86,7 @@ class SourceResult:
             "duplicates": self.duplicates,
             "rejected": dict(sorted(self.rejected.items())),
             "unknown_roles": dict(sorted(self.unknown_roles.items())),
+            "cut_short": self.cut_short,
             "error": self.error,
             "seconds": round(self.seconds, 3),
             "worker_peak_rss": self.worker_peak_rss,
@@ -96,6 +101,7 @@ class SourceResult:
         self.duplicates += other.duplicates
         self.rejected = dict(Counter(self.rejected) + Counter(other.rejected))
         self.unknown_roles = dict(Counter(self.unknown_roles) + Counter(other.unknown_roles))
+        self.cut_short += other.cut_short
         if self.error is None:
             self.error, self.bad_input = other.error, other.bad_input
         self.seconds = max(self.seconds, other.seconds)
@@ -130,29 +136,52 @@ def kind_of(source: Source) -> str:
     return "native" if source.native else "prompts"
 
 
-def open_rows(location: str, source: Source):
-    """An ``IterableDataset`` over the source: the same streaming path for hub ids and local files."""
-    import datasets
-
-    datasets.disable_progress_bars()
+def local_files(location: str, source: Source) -> list[Path] | None:
+    """The source's local data files, in order and of one kind; None when ``location`` is a hub id."""
     path = Path(location)
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
-        kinds = {_BUILDERS[Path(f).suffix] for f in files}
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+        kinds = {_BUILDERS[p.suffix] for p in files}
         if len(kinds) != 1:
             raise SourceError(
                 f"source {source.name!r}: folder {path} must hold .jsonl/.json or .parquet files "
                 f"of one kind (found {len(files)} files of kinds {sorted(kinds) or 'none'})"
             )
-        return datasets.load_dataset(kinds.pop(), data_files=files, split="train", streaming=True)
+        return files
     if path.is_file():
-        builder = _BUILDERS.get(path.suffix)
-        if builder is None:
+        if path.suffix not in _BUILDERS:
             raise SourceError(f"source {source.name!r}: {path} is not .jsonl, .json or .parquet; convert it")
-        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+        return [path]
     if location.startswith("/"):
         raise SourceError(f"source {source.name!r}: {location} does not exist; fix data: in the catalog")
-    return datasets.load_dataset(location, name=source.config, split=source.split, streaming=True)
+    return None
+
+
+def open_rows(location: str, source: Source, piece: tuple[int, int] = (0, 1)) -> Iterable[dict]:
+    """The rows of slice ``piece = (index, count)`` of the source, as dicts. Local JSON files are
+    read as they are, so that one cut short keeps its complete records (``JsonRows``); parquet
+    files and hub ids stream through HF ``datasets``."""
+    files = local_files(location, source)
+    if files and _BUILDERS[files[0].suffix] == "json":
+        return JsonRows(_contiguous(files, *piece))
+    import datasets
+
+    datasets.disable_progress_bars()
+    if files:
+        rows = datasets.load_dataset(
+            "parquet", data_files=list(map(str, files)), split="train", streaming=True
+        )
+    else:
+        rows = datasets.load_dataset(location, name=source.config, split=source.split, streaming=True)
+    return _python_rows(_slice(rows, *piece))
+
+
+def _contiguous(files: list[Path], index: int, count: int) -> list[Path]:
+    """Slice ``index`` of ``count`` contiguous slices of ``files``, the first ones a file longer
+    when they do not divide evenly (as ``datasets`` shards a source's files)."""
+    size, longer = divmod(len(files), count)
+    start = index * size + min(index, longer)
+    return files[start : start + size + (index < longer)]
 
 
 def _is_empty(message: dict) -> bool:
@@ -234,6 +263,8 @@ def prepare_source(
         result.parts, result.part_rows = [str(part)], [result.read]
     except SourceError as exc:
         result.error, result.bad_input = str(exc), True
+    except JsonFileError as exc:
+        result.error, result.bad_input = f"source {source.name!r}: {exc}", True
     except Exception as exc:  # a reader or adapter failure: name the source, keep one line
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         result.error = f"source {source.name!r} ({location}): {type(exc).__name__}: {first_line}"
@@ -255,9 +286,9 @@ def _run(
     unknown_roles: Counter[str],
 ) -> None:
     adapter = ADAPTERS[source.format]
-    rows = _slice(open_rows(location, source), *piece)
+    rows = open_rows(location, source, piece)
     probing = piece[0] == 0
-    iterator = _python_rows(rows)
+    iterator = iter(rows)
     seen: set[str] = set()
     first_row: dict | None = None
     try:
@@ -301,6 +332,7 @@ def _run(
                 if probing and result.accepted == 0 and result.read:
                     mismatch = _mismatch(source, result.read, rejected, unknown_roles, first_row or {})
                     raise SourceError(mismatch)
+        result.cut_short = getattr(rows, "cut_short", [])
     finally:
         # Close the streaming iterator and collect it now, while pyarrow is fully alive: a
         # half-consumed reader left to interpreter shutdown is how the exit-134 crash

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_worker_oom_kill_is_named_and_recorded(tmp_path):
     assert result.returncode != 0
     out = " ".join(result.stdout.split())
     assert "its worker process died (killed by a signal, e.g. the OOM killer)" in out
-    assert "prep failed: 10 of 10 sources; no output written" in out
+    # the sources read before the worker died are done; the rest, from the one it died in, are lost
+    assert re.search(r"prep failed: \d+ of 10 sources; no output written", out)
     assert not (run_dir / "prep" / "prompts.jsonl").exists()
     status = eyrie("status", "--run-dir", str(run_dir), "--json")
     (attempt,) = json.loads(status.stdout)
