@@ -103,6 +103,10 @@ class TokenizeError(RuntimeError):
     """Tokenization cannot proceed; the message is one line saying what and how to fix it."""
 
 
+class InputError(TokenizeError):
+    """An input file that is not what tokenize reads (the input's to fix: the step exits as bad input)."""
+
+
 @dataclass
 class ChatTemplate:
     name: str
@@ -127,6 +131,8 @@ class Counts:
     tokens: int = 0
     assistant_tokens: int = 0
     truncated: int = 0
+    assistant_tokens_truncated: int = 0
+    """Assistant tokens past ``--max-length``, dropped with the rest of their row."""
     in_pieces: int = 0
     prefix_rendered: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
@@ -138,6 +144,7 @@ class Counts:
             "tokens": self.tokens,
             "assistant_tokens": self.assistant_tokens,
             "truncated": self.truncated,
+            "assistant_tokens_truncated": self.assistant_tokens_truncated,
             "tokenized_in_pieces": self.in_pieces,
             "spans_from_prefixes": self.prefix_rendered,
             "rejected": dict(sorted(self.rejected.items())),
@@ -149,6 +156,7 @@ class Counts:
         self.tokens += other.tokens
         self.assistant_tokens += other.assistant_tokens
         self.truncated += other.truncated
+        self.assistant_tokens_truncated += other.assistant_tokens_truncated
         self.in_pieces += other.in_pieces
         self.prefix_rendered += other.prefix_rendered
         self.rejected.update(other.rejected)
@@ -186,6 +194,7 @@ class Rows:
         entry.in_pieces += in_pieces
         entry.prefix_rendered += by_prefix
         if len(ids) > self.max_length:
+            entry.assistant_tokens_truncated += sum(mask[self.max_length :])
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             entry.truncated += 1
         assistant = sum(mask)
@@ -440,8 +449,15 @@ class Record(NamedTuple):
 
 
 def read_lines(path: Path) -> Iterator[Line]:
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{path}:{number} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of the line); "
+                    "re-encode that file as UTF-8, or regenerate it"
+                ) from None
             if line.strip():
                 yield str(path), number, line
 
@@ -453,7 +469,7 @@ def parse_conversation(line: Line) -> Record:
         record = json.loads(text)
         messages = record["conversations"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise TokenizeError(
+        raise InputError(
             f"{path}:{number} is not a conversation record ({{id, conversations: [...]}}); "
             "regenerate that file"
         ) from None
@@ -768,7 +784,7 @@ def run_tokenize(
     except TokenizeError as exc:
         _print_counts(per_source)
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        return 1
+        return EXIT_BAD_INPUT if isinstance(exc, InputError) else 1
     _print_counts(per_source)
     totals = Counts()
     for entry in per_source.values():
@@ -791,7 +807,8 @@ def run_tokenize(
     )
     console.print(
         f"tokenize: {writer.rows} rows, {totals.tokens} tokens ({totals.assistant_tokens} assistant), "
-        f"{totals.truncated} truncated, {writer.shards} shard(s) -> {step_dir / SHARDS}"
+        f"{totals.truncated} truncated ({totals.assistant_tokens_truncated} assistant tokens cut), "
+        f"{writer.shards} shard(s) -> {step_dir / SHARDS}"
     )
     return 0
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, check_manifest, read_manifest
 from pipeline.steps.tokenize.run import run_tokenize
 
 
@@ -90,12 +90,36 @@ def test_truncation_is_counted(prepped, tiny_tokenizer, tmp_path):
     assert max(lengths) == 600 and stats["truncated"] >= sum(n == 600 for n in lengths) > 0
 
 
+def test_truncation_counts_the_assistant_tokens_it_drops(prepped, tiny_tokenizer, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], whole, max_length=1 << 20) == 0
+    assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], cut, max_length=600) == 0
+    full, kept = (read_manifest(out).stats["totals"] for out in (whole, cut))
+    assert full["truncated"] == full["assistant_tokens_truncated"] == 0
+    assert kept["truncated"] > 0 and kept["assistant_tokens_truncated"] > 0
+    # a row cut to no assistant token at all is rejected: its tokens count as dropped too
+    assert kept["assistant_tokens"] + kept["assistant_tokens_truncated"] == full["assistant_tokens"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_invalid_utf8_is_one_line_naming_the_file_and_line(workers, tiny_tokenizer, tmp_path, capsys):
+    good = json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "caf\u00e9"}]})  # fmt: skip
+    bad = tmp_path / "conversations.jsonl"
+    bad.write_bytes(good.encode() + b"\n" + good.replace("\\u00e9", "\xe9").encode("latin-1") + b"\n")
+    out = tmp_path / "out"
+    assert run_tokenize(tiny_tokenizer, [bad], [], out, workers=workers) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"error: {bad}:2 is not UTF-8" in " ".join(err.split()) and "Traceback" not in err
+    assert not (out / "shards").exists() and not (out / "manifest.json").exists()
+
+
 def test_a_failed_rerun_leaves_no_manifest_over_the_old_shards(prepped, tiny_tokenizer, tmp_path):
     out = tmp_path / "tok"
     assert run_tokenize(tiny_tokenizer, [prepped / "native.jsonl"], [], out) == 0
     bad = tmp_path / "conversations.jsonl"
     bad.write_text("not json\n")
-    assert run_tokenize(tiny_tokenizer, [bad], [], out) == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], out) == EXIT_BAD_INPUT
     assert not check_manifest(out, ["shards"])[0] and (out / "shards").is_dir()
 
 
@@ -148,7 +172,7 @@ def test_missing_inputs_and_bad_records_are_one_line_errors(tiny_tokenizer, tmp_
     assert "nope.jsonl do not exist" in capsys.readouterr().err
     bad = tmp_path / "conversations.jsonl"
     bad.write_text('{"id": "x", "messages": []}\n')
-    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "b") == EXIT_BAD_INPUT
     assert f"{bad}:1 is not a conversation record" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "b" / "shards").exists() and not (tmp_path / "b" / "manifest.json").exists()
 
@@ -168,7 +192,7 @@ def test_a_bad_record_fails_the_step_from_a_worker_too(tiny_tokenizer, tmp_path,
     lines.insert(555, "not json")
     bad = tmp_path / "conversations.jsonl"
     bad.write_text("\n".join(lines) + "\n")
-    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "out", workers=2) == 1
+    assert run_tokenize(tiny_tokenizer, [bad], [], tmp_path / "out", workers=2) == EXIT_BAD_INPUT
     assert f"{bad}:556 is not a conversation record" in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "out" / "shards").exists()
 
