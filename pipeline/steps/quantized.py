@@ -17,12 +17,14 @@ extension points:
 The dense weight of one expert (or Linear) lives only while its forward runs: that transient is
 what a device holds beyond the stored bytes, and the planner counts both (:func:`held_bytes`).
 
-Formats transformers runs as stored on a GPU (FP8, MXFP4) are planned at their stored size there;
-any other format, or those on a CPU, is refused before anything is loaded, with its dense size.
+Formats computed with as stored on a GPU (FP8, MXFP4; NVFP4 on a Blackwell GPU only) are planned at
+their stored size there; any other format, or those elsewhere, is refused before anything is loaded,
+with its dense size.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from dataclasses import dataclass
@@ -37,11 +39,36 @@ from pipeline.memory.units import format_size
 from pipeline.steps.wrapper import language_config
 
 COMPRESSED_TENSORS = "compressed-tensors"
+MODELOPT = "modelopt"
 PACKED_EXPERTS = "eyrie_packed"
 """The experts implementation (transformers' ``ExpertsInterface``) of fused experts held packed."""
-# Formats transformers computes with as stored, on a GPU only: bytes per weight as held.
-_STORED_ON_GPU = {"fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """A format computed with as stored, on a GPU only."""
+
+    bytes_per_weight: float
+    """Bytes per quantized weight as held, its scales included."""
+    architectures: tuple[int, ...] = ()
+    """The compute capabilities (major) whose tensor cores compute with it; empty: any GPU."""
+    gpus: str = "a GPU"
+
+    def runs_on(self, device_type: str, capability: tuple[int, int] | None) -> bool:
+        if device_type != "cuda":
+            return False
+        return not self.architectures or (capability is not None and capability[0] in self.architectures)
+
+
+_STORED_ON_GPU = {
+    "fp8": StoredFormat(1.0),
+    "mxfp4": StoredFormat(0.5 + 1 / 32),
+    # ModelOpt's NVFP4: two e2m1 weights a byte, an fp8 (e4m3) scale per 16 and an fp32 global
+    # scale per tensor (weight_scale, weight_scale_2); only Blackwell's tensor cores (sm_100: B200,
+    # sm_120: RTX PRO 6000) compute with it.
+    "nvfp4": StoredFormat(0.5 + 1 / 16, (10, 12), "a Blackwell GPU (compute capability 10.x or 12.x)"),
+}
 
 
 class HeldFormatError(ValueError):
@@ -51,11 +78,14 @@ class HeldFormatError(ValueError):
 @dataclass(frozen=True)
 class Holding:
     """How a target's weights are held: ``dense``, ``packed`` (eyrie keeps compressed-tensors
-    weights packed) or ``stored`` (transformers runs the format as stored, on a GPU)."""
+    weights packed) or ``stored`` (the format is computed with as stored, on a GPU)."""
 
     kind: str
     bytes_per_weight: float | None = None
     """For ``stored``: bytes per quantized weight as held."""
+    ignore: tuple[str, ...] | None = None
+    """For ``stored``: the checkpoint's modules left unquantized (ModelOpt's glob patterns); None:
+    every Linear is quantized (transformers' own FP8 and MXFP4)."""
 
 
 def quantization_of(config: Any) -> dict:
@@ -67,30 +97,84 @@ def quantization_of(config: Any) -> dict:
     return {}
 
 
-def holding(config: Any, device_type: str, dense_bytes: int) -> Holding:
-    """How the target is held on ``device_type`` (``cuda``, ``cpu``), or refused with its dense size."""
+def holding(
+    config: Any, device_type: str, dense_bytes: int, capability: tuple[int, int] | None = None
+) -> Holding:
+    """How the target is held on ``device_type`` (``cuda``, ``cpu``) of compute ``capability``
+    (default: this process's GPU's), or refused with its dense size."""
     quantization = quantization_of(config)
     method = quantization.get("quant_method")
     if not method:
         return Holding("dense")
+    if device_type == "cuda" and capability is None:
+        capability = gpu_capability()
     if method == COMPRESSED_TENSORS:
         schemes = _schemes(quantization)
         kinds = {scheme.weights.type for scheme, _ in schemes if scheme.weights is not None}
         if kinds <= {"int"}:
             return Holding("packed")
         if kinds == {"float"} and all(s.weights.num_bits == 8 for s, _ in schemes) and device_type == "cuda":
-            return Holding("stored", _STORED_ON_GPU["fp8"])
+            return Holding("stored", _STORED_ON_GPU["fp8"].bytes_per_weight)
         reason = "only its INT formats are held packed, FP8 as stored on a GPU"
-    elif method in _STORED_ON_GPU and device_type == "cuda":
-        return Holding("stored", _STORED_ON_GPU[method])
+    elif method == MODELOPT and str(quantization.get("quant_algo")).lower() in _STORED_ON_GPU:
+        stored = _STORED_ON_GPU[quantization["quant_algo"].lower()]
+        method = f"{quantization['quant_algo']} ({MODELOPT})"
+        ignore = tuple(quantization.get("ignore") or ())
+        if stored.runs_on(device_type, capability):
+            return Holding("stored", stored.bytes_per_weight, ignore)
+        reason = f"only {stored.gpus} computes with it"
+    elif method in _STORED_ON_GPU and _STORED_ON_GPU[method].runs_on(device_type, capability):
+        return Holding("stored", _STORED_ON_GPU[method].bytes_per_weight)
     elif method in _STORED_ON_GPU:
-        reason = "transformers runs it as stored only on a GPU"
+        reason = f"transformers runs it as stored only on {_STORED_ON_GPU[method].gpus}"
     else:
-        reason = "eyrie holds compressed-tensors INT weights packed, and FP8 or MXFP4 as stored on a GPU"
+        reason = (
+            "eyrie holds compressed-tensors INT weights packed, FP8 or MXFP4 as stored on a GPU, "
+            "and NVFP4 on a Blackwell GPU"
+        )
+    where = (
+        f"cuda (sm_{capability[0]}{capability[1]})" if capability and device_type == "cuda" else device_type
+    )
     raise HeldFormatError(
-        f"the target is quantized as {method!r}, which cannot be held as stored on {device_type}: "
+        f"the target is quantized as {method!r}, which cannot be held as stored on {where}: "
         f"{reason}; dequantized it would need {format_size(dense_bytes)} of weights"
     )
+
+
+def check_readable(config: Any) -> None:
+    """Before any weight is read: a ModelOpt checkpoint is planned (NVFP4 on a Blackwell GPU) but no
+    loader here reads its weights (transformers 5.x loads no pre-quantized NVFP4, eyrie's own
+    reads compressed-tensors), and read as dense they would be garbage."""
+    quantization = quantization_of(config)
+    if quantization.get("quant_method") == MODELOPT:
+        raise HeldFormatError(
+            f"the target is stored by ModelOpt ({quantization.get('quant_algo')}): eyrie plans its weights "
+            "but loads none of ModelOpt's yet (SGLang serves it: --quantization modelopt_fp4)"
+        )
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """This process's GPU's compute capability (``(12, 0)``: sm_120), or None without one."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def stored_weights(module: nn.Module, name: str, held: Holding) -> int:
+    """How many of the weights under ``module`` (``name``, as the checkpoint calls it) a ``stored``
+    holding keeps quantized: its Linear weights, and with ModelOpt's ignore list also fused
+    experts' (each expert a Linear in the checkpoint), less those the list leaves unquantized."""
+    if held.ignore is None:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    quantized = 0
+    for child_name, child in module.named_modules(prefix=name):
+        if isinstance(child, nn.Linear):
+            names = [child_name]
+        elif _is_fused_experts(child):
+            names = [f"{child_name}.0.{p}" for ps in _FUSED.values() for p in ps]
+        else:
+            continue
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in held.ignore):
+            quantized += sum(p.numel() for p in child.parameters(recurse=False) if p.dim() >= 2)
+    return quantized
 
 
 def _schemes(quantization: dict) -> list[tuple[Any, str]]:

@@ -124,10 +124,17 @@ class LanguageModel:
 
 
 def language_model(
-    config: Any, dtype: Any, *, trust_remote_code: bool, device_type: str = "cpu", dequantize: bool = False
+    config: Any,
+    dtype: Any,
+    *,
+    trust_remote_code: bool,
+    device_type: str = "cpu",
+    dequantize: bool = False,
+    capability: tuple[int, int] | None = None,
 ) -> LanguageModel:
     """The target's causal language model on the meta device (buffers real), with its quantized
-    modules held as stored (:mod:`pipeline.steps.quantized`) unless ``dequantize``.
+    modules held as stored (:mod:`pipeline.steps.quantized`) on ``device_type`` of compute
+    ``capability`` (default: this process's GPU's) unless ``dequantize``.
 
     A wrapper's language model is its own remote code's ``language_model`` under
     ``--trust-remote-code``, else transformers' class for its ``text_config`` (for Kimi-K2.5:
@@ -158,7 +165,11 @@ def language_model(
             )
     model.tie_weights()  # the empty-weights context replaced the tied parameters with copies
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    stored = holding(config, device_type, dense) if text is not config or not dequantize else Holding("dense")
+    stored = (
+        holding(config, device_type, dense, capability)
+        if text is not config or not dequantize
+        else Holding("dense")
+    )
     if stored.kind == "stored" and text is not config:
         # transformers runs FP8/MXFP4 as stored only through its own loading of the whole model;
         # eyrie's loader of a wrapper's language model reads only compressed-tensors INT weights.
@@ -193,12 +204,13 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from pipeline.steps.quantized import HeldFormatError, load_held, quantization_of
+    from pipeline.steps.quantized import HeldFormatError, check_readable, load_held, quantization_of
 
     config = target_config(target, trust_remote_code=trust_remote_code, option=option)
     devices = set((device_map or {}).values())
     device_type = "cuda" if any(str(d).startswith("cuda") for d in devices) else "cpu"
     try:
+        check_readable(config)
         lm = language_model(
             config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize
         )

@@ -40,6 +40,9 @@ class ServeConfig(BaseModel):
     memory_saver: bool = False
     """SGLang can give its GPU memory to a step meanwhile (a step's --release-target), keeping a copy
     of its weights in host memory (the target's size, inside the service's memory)."""
+    sglang_args: str = ""
+    """SGLang's own further flags, one line split at spaces (GLM-5-NVFP4: --quantization
+    modelopt_fp4 --kv-cache-dtype bf16); empty: none. Flags the options above set are refused."""
 
 
 def server_command(
@@ -47,6 +50,8 @@ def server_command(
 ) -> tuple[list[str], dict]:
     """The server's argv and environment; a ValueError for a target the engine cannot serve."""
     if config.engine == "transformers":
+        if config.sglang_args.strip():
+            raise ValueError("--sglang-args: the transformers engine takes none of SGLang's flags")
         model_dir = Path(model).resolve()
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"{model}: not a model folder (no config.json); transformers serves a folder")
@@ -70,7 +75,22 @@ def server_command(
         # GET /health without a forward pass: while a step holds the GPUs, one would find the
         # weights unmapped and bring the server down.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
-    return argv, env
+    return argv + extra_flags(config.sglang_args, argv), env
+
+
+def extra_flags(line: str, argv: list[str]) -> list[str]:
+    """``--sglang-args``: ``line`` split at spaces (as compose's sglang service splits
+    ``EYRIE_SGLANG_ARGS``), refused when it repeats a flag of ``argv``: SGLang would take the
+    later one without a word, and the option that set it would no longer say what runs."""
+    extra = line.split()
+    given = {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
+    repeated = sorted(given & {arg for arg in argv if arg.startswith("--")})
+    if repeated:
+        raise ValueError(
+            f"--sglang-args repeats {', '.join(repeated)}, which eyrie serve sets from its own options "
+            "(--tp, --host, --port, the parsers, --memory-saver, --trust-remote-code): set it there"
+        )
+    return extra
 
 
 @settings_options(ServeConfig)

@@ -121,7 +121,11 @@ def _served_argv(service: dict, tmp_path) -> list[str]:
     fake.chmod(0o755)
     # compose's config output keeps its $$ escapes; the container's shell sees single $.
     argv = [arg.replace("$$", "$") for arg in [*service["entrypoint"], *service["command"]]]
-    env = {**service["environment"], "PATH": f"{fake.parent}:/usr/bin:/bin"}
+    # A name passed through unset (null) is not in the container's environment.
+    env = {
+        **{k: v for k, v in service["environment"].items() if v is not None},
+        "PATH": f"{fake.parent}:/usr/bin:/bin",
+    }
     done = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
     return [sys.executable, *done.stdout.splitlines()]
 
