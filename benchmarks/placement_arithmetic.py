@@ -69,7 +69,7 @@ def host_gpus() -> list[Device]:
 def draft_of(text, length: int, batch: int) -> int:
     with torch.device("meta"):
         draft = Eagle3Draft(draft_config(text, DRAFT_VOCAB, default_layer_ids(text.num_hidden_layers)))
-    return draft_bytes(draft, batch * length, length, 7, 512, 2)
+    return draft_bytes(draft, batch * length, length, 7, 512, 2, recompute=True)
 
 
 def show(title: str, placement: str, args, dequantize: bool = False) -> None:

@@ -50,7 +50,7 @@ def main() -> None:
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
     tokens = args.batch * args.length
-    total = draft_bytes(draft, tokens, args.length, args.ttt_steps, LOSS_CHUNK, 2)
+    total = draft_bytes(draft, tokens, args.length, args.ttt_steps, LOSS_CHUNK, 2, recompute=True)
     weights = sum(u.weights for u in units)
 
     print(f"target: {weights / 2 / 1e9:.2f}B parameters, {format_size(weights)} in bf16")

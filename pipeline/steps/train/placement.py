@@ -34,10 +34,11 @@ Placement = Literal["auto", "replicated", "sharded", "offline"]
 # transient tensors inside one layer's forward.
 HEADROOM = 0.05
 # Bytes per saved element in the draft's activation estimate: fp32 (under bf16 autocast most saved
-# tensors are half that), and for the attention rows the fp32 softmax plus the bf16 copy autocast
-# multiplies with the values.
+# tensors are half that).
 _ACT_BYTES = 4
-_ATTENTION_BYTES = 4 + 2
+# A TTT step's token and position ids (int64) and its loss mask, per position, with the
+# allocator's rounding.
+_STEP_INDEX_BYTES = 40
 _LAYER = re.compile(r"\.layers\.(\d+)$")
 
 
@@ -203,10 +204,12 @@ def target_units(
     trust_remote_code: bool = False,
     device_type: str = "cpu",
     dequantize: bool = False,
+    capability: tuple[int, int] | None = None,
 ) -> TargetUnits:
     """The target's modules in forward order with their bytes as held, from its language model on the
     meta device (:func:`pipeline.steps.target.language_model`: quantized weights packed unless
-    ``dequantize``; a format that cannot be held as stored on ``device_type`` raises ``HeldFormatError``).
+    ``dequantize``; a format that cannot be held as stored on ``device_type`` of compute
+    ``capability``, default this process's GPU's, raises ``HeldFormatError``).
 
     A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
     keeps; ``logits_chunk`` positions a row of full-vocabulary logits, and the teacher over the draft
@@ -215,12 +218,17 @@ def target_units(
     import torch
     from transformers.integrations.accelerate import compute_module_sizes
 
-    from pipeline.steps.quantized import largest_transient, packed_bytes
+    from pipeline.steps.quantized import largest_transient, packed_bytes, stored_weights
     from pipeline.steps.target import language_model
     from pipeline.steps.wrapper import language_config
 
     lm = language_model(
-        config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize
+        config,
+        dtype,
+        trust_remote_code=trust_remote_code,
+        device_type=device_type,
+        dequantize=dequantize,
+        capability=capability,
     )
     model, text = lm.model, language_config(config)
     sizes, _ = compute_module_sizes(model)
@@ -230,9 +238,9 @@ def target_units(
 
     def unit(name: str, child: torch.nn.Module, keeps: int) -> Unit:
         weights = sizes.get(name, 0)
-        if lm.holding.kind == "stored":  # quantized Linear weights at the bytes the format holds them in
-            dense = sum(m.weight.numel() for m in child.modules() if isinstance(m, torch.nn.Linear))
-            weights -= int(dense * (element - lm.holding.bytes_per_weight))
+        if lm.holding.kind == "stored":  # quantized weights at the bytes the format holds them in
+            quantized = stored_weights(child, lm.prefix + name, lm.holding)
+            weights -= int(quantized * (element - lm.holding.bytes_per_weight))
         return Unit(name, weights, keeps, packed_bytes(child), largest_transient(child, dtype))
 
     base = model.base_model_prefix
@@ -256,27 +264,41 @@ def target_units(
 
 
 def draft_activations(
-    config, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int
+    config, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int, recompute: bool
 ) -> tuple[int, int]:
     """(kept, transient): the bytes autograd keeps for the draft's backward, and what the step being
-    computed holds besides, for a batch of ``batch_tokens`` positions in rows of ``length``.
+    computed holds besides, for a batch of ``batch_tokens`` positions in rows of ``length``. Both
+    are linear in the row: the TTT attention keeps no T x T tensor (``eagle3/attention.py``).
 
-    Kept, per position and TTT step: about 16 hidden widths and 4 intermediate widths, and each
-    head's attention row over the ``length`` positions plus the earlier steps, counted fp32 (an
-    upper bound under bf16 autocast; checked against what autograd really keeps in
-    ``tests/unit/train/test_placement.py``). Transient: the step's scores before the softmax (the
-    product, the causal fill, the concatenation) and one loss chunk's logits.
+    Kept, per position and TTT step, counted fp32 (an upper bound under bf16 autocast; checked
+    against what the allocator holds after the forward in ``tests/unit/train/test_placement.py``):
+    with ``recompute``, the step's output, keys and values; without it, the
+    layer's own activations too, some 9 hidden widths, 4 intermediate widths and 4 query widths.
+    Transient: a recomputed step's activations, the attention kernel's blocks and one loss chunk's
+    logits.
     """
-    rows = config.num_attention_heads * (length + ttt_steps)
-    per_position = (
-        16 * config.hidden_size + 4 * config.intermediate_size
-    ) * _ACT_BYTES + rows * _ATTENTION_BYTES
-    transient = 3 * batch_tokens * rows * _ACT_BYTES + 3 * loss_chunk * config.draft_vocab_size * 4
-    return ttt_steps * batch_tokens * per_position, transient
+    from pipeline.steps.eagle3.attention import QUERY_CHUNK  # torch: this module stays light
+
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, rows = config.hidden_size, max(1, batch_tokens // length)
+    layer = 9 * hidden + 4 * config.intermediate_size + 4 * heads * head_dim + 2 * heads
+    carried = hidden + 2 * kv_heads * head_dim  # the step's output, keys and values
+    step_bytes = (carried + (0 if recompute else layer)) * _ACT_BYTES + _STEP_INDEX_BYTES
+    kept = ttt_steps * batch_tokens * step_bytes
+    attention = 3 * rows * heads * min(QUERY_CHUNK, length) * length * _ACT_BYTES
+    loss = 3 * rows * min(loss_chunk, length) * config.draft_vocab_size * _ACT_BYTES
+    recomputed = batch_tokens * layer * _ACT_BYTES if recompute else 0
+    return kept, recomputed + attention + loss
 
 
 def draft_bytes(
-    draft, batch_tokens: int, length: int, ttt_steps: int, loss_chunk: int, feature_bytes: int
+    draft,
+    batch_tokens: int,
+    length: int,
+    ttt_steps: int,
+    loss_chunk: int,
+    feature_bytes: int,
+    recompute: bool,
 ) -> int:
     """What training the draft holds on its device, for ``draft`` built on any device (meta is enough).
 
@@ -289,7 +311,7 @@ def draft_bytes(
     frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in draft.buffers())
     inputs = batch_tokens * (3 * config.target_hidden_size * feature_bytes + config.draft_vocab_size * 4 + 1)
-    activations = sum(draft_activations(config, batch_tokens, length, ttt_steps, loss_chunk))
+    activations = sum(draft_activations(config, batch_tokens, length, ttt_steps, loss_chunk, recompute))
     # fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), autocast's bf16 copy (2).
     return 18 * trainable + frozen + buffers + inputs + activations
 
@@ -389,18 +411,7 @@ def _resolve(
         )
     shares = split(units, devices, draft)
     if shares is None:
-        activations = sum(u.activations for u in units)
-        needed = target + activations + draft
-        largest = max(units, key=lambda u: u.weights + u.activations)
-        free = ", ".join(f"{d.name} {format_size(d.free)} free" for d in devices)
-        raise PlacementError(
-            f"the target needs {format_size(target)} of weights, {format_size(activations)} of activations, "
-            f"the draft {format_size(draft)}: {format_size(needed)} in all, but the {len(devices)} device(s) "
-            f"have {format_size(sum(d.usable for d in devices))} usable together ({free}; "
-            f"{HEADROOM:.0%} kept as headroom; largest module {largest.module} "
-            f"{format_size(largest.weights + largest.activations)}): lower --batch-size or --max-length, "
-            "free GPU memory, or use a host with more"
-        )
+        raise PlacementError(_why_not_sharded(units, devices, draft))
     layers = sum(len(s.layers) for s in shares)
     reason = (
         f"the target ({format_size(target)}) does not fit one device next to the draft: "
@@ -409,6 +420,55 @@ def _resolve(
         else f"{layers} layers over {len(shares)} devices"
     )
     return Plan("sharded", reason, shares)
+
+
+def _why_not_sharded(units: list[Unit], devices: list[Device], draft: int) -> str:
+    """Why ``split`` found no plan, in numbers that agree: the draft alone is too large for the first
+    device, the sum is too large for all of them, or modules placed whole and in order leave some
+    over although the sum would fit."""
+    target = sum(u.weights for u in units)
+    activations = sum(u.activations for u in units)
+    needed = target + activations + draft
+    usable = sum(d.usable for d in devices)
+    first = devices[0]
+    if draft > first.usable:
+        return (
+            f"the draft needs {format_size(draft)} on {first.name}, which has {format_size(first.usable)} "
+            f"usable ({format_size(first.free)} free, {HEADROOM:.0%} kept as headroom): lower --batch-size "
+            "or --max-length"
+        )
+    if needed > usable:
+        largest = max(units, key=lambda u: u.weights + u.activations)
+        free = ", ".join(f"{d.name} {format_size(d.free)} free" for d in devices)
+        return (
+            f"the target needs {format_size(target)} of weights, {format_size(activations)} of activations, "
+            f"the draft {format_size(draft)}: {format_size(needed)} in all, but the {len(devices)} device(s) "
+            f"have {format_size(usable)} usable together ({free}; {HEADROOM:.0%} kept as headroom; largest "
+            f"module {largest.module} {format_size(largest.weights + largest.activations)}): lower "
+            "--batch-size or --max-length, free GPU memory, or use a host with more"
+        )
+    shares = [Share(d) for d in devices]
+    shares[0].draft = draft
+    pending = list(units)
+    for share in shares:  # fill each device in turn, as far as whole modules go
+        while pending and share.planned + pending[0].weights + pending[0].activations <= share.device.usable:
+            share.take(pending.pop(0))
+    if not pending:  # what tipped it is the transient each device keeps room for
+        return (
+            f"the target and the draft need {format_size(needed)} of the {format_size(usable)} usable, "
+            "but no device keeps room for the dense weight a packed module makes while it runs (one "
+            "expert's): lower --batch-size or --max-length, or use --target-placement offline"
+        )
+    left = sum(u.weights + u.activations for u in pending)
+    return (
+        f"the target ({format_size(target)} of weights, {format_size(activations)} of activations) and the "
+        f"draft ({format_size(draft)}) need {format_size(needed)}, under the {format_size(usable)} the "
+        f"{len(devices)} device(s) have usable together, but modules go whole and in order: {first.name} "
+        f"holds the draft and {len(shares[0].modules)} module(s) ({format_size(shares[0].planned)}), and "
+        f"filling every device leaves {len(pending)} module(s), from {pending[0].module}, left over "
+        f"({format_size(left)}): lower --batch-size or --max-length (a smaller draft leaves {first.name} "
+        "room for more layers), or use --target-placement offline"
+    )
 
 
 def measure_devices(every_gpu: bool) -> list[Device]:

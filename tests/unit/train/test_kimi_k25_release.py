@@ -5,6 +5,8 @@ quantization; the planner (benchmarks/placement_arithmetic.py) accepts it on the
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, DeepseekV3Config
@@ -75,3 +77,41 @@ def test_the_planner_accepts_kimi_k25_on_the_seeds_host_sharded_and_offline():
         kimi_plan("replicated")
     with pytest.raises(PlacementError, match="TiB"):  # dequantized, ~2 TB: what transformers alone would hold
         kimi_plan("sharded", dequantize=True)
+
+
+def readme_kimi_block() -> dict[str, str]:
+    """The settings the README's Kimi-K2.5 block exports, as written."""
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    opening = text.index("```", text.index("The real job on Kimi-K2.5"))
+    block = text[opening + 3 : text.index("```", opening + 3)]
+    return dict(re.findall(r"^export (\w+)=(\S+)", block, flags=re.M))
+
+
+def test_the_readme_block_as_written_passes_the_planner_at_its_own_length():
+    settings = readme_kimi_block()
+    length = int(settings["EYRIE_MAX_LENGTH"])  # stated, not left to the pipeline's default
+    assert length >= 4096
+    result, _ = kimi_plan(settings["EYRIE_TARGET_PLACEMENT"], length)
+    assert result.placement == settings["EYRIE_TARGET_PLACEMENT"]
+
+
+def test_rows_of_32768_tokens_train_offline_and_a_sharded_refusal_gives_the_real_reason():
+    offline, _ = kimi_plan("offline", 32768)
+    assert offline.placement == "offline"
+    assert offline.shares[0].planned <= offline.shares[0].device.usable
+    with pytest.raises(PlacementError) as refused:
+        kimi_plan("sharded", 32768)
+    message = str(refused.value)
+    # The sum fits the 8 GPUs: what does not is whole layers beside the draft, and the numbers say so.
+    needed, usable = (
+        float(x) for x in re.search(r"need ([\d.]+) GiB, under the ([\d.]+) GiB", message).groups()
+    )
+    assert needed < usable
+    assert "modules go whole and in order" in message and "left over" in message and "\n" not in message
+
+
+def test_a_draft_larger_than_the_first_gpu_is_named_as_the_reason():
+    with pytest.raises(
+        PlacementError, match=r"^the draft needs [\d.]+ GiB on cuda:0, which has 83.99 GiB usable"
+    ):
+        kimi_plan("sharded", 65536)
