@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from pipeline.memory import format_duration, format_size
 from pipeline.report.console import wide_console
+from pipeline.report.follow import gone_note
 from pipeline.report.ledger_access import read_run
 from pipeline.report.neighbours import neighbours
 from pipeline.report.status import exit_text, not_run_steps
@@ -156,6 +157,9 @@ def _print_step_account(
         return EXIT_BAD_INPUT
     row = rows[-1]
     console.print(f"[bold]{escape(row.step)}[/] attempt {row.attempt}", highlight=False)
-    for line in attempt_account(row, run_dir) + neighbours(ledger, row):
+    lines = attempt_account(row, run_dir) + neighbours(ledger, row)
+    if row.verdict is None and (run := ledger.run(row.run_id)) and (gone := gone_note(ledger, run)):
+        lines.insert(1, gone[0].upper() + gone[1:] + ".")
+    for line in lines:
         console.print(escape(line), highlight=False, soft_wrap=True)
     return 0

@@ -5,9 +5,9 @@ run directory and, for memory in use, the steps' cgroups: each step's state,
 its memory against its limit, its peak, records and elapsed time, the host's
 memory and the budget, and the last line each running step printed. It ends
 when the run ends, leaving the last view on screen; ``--json`` prints the same
-view as one JSON object a line. A runner writes a host sample or a heartbeat
-every second: when the latest is ``GONE_S`` old, the runner is taken as gone,
-whatever host it ran on and whatever its pid has become since.
+view as one JSON object a line. A runner that is gone (``liveness.runner_gone``: on this host its
+pid, elsewhere ``RUNNER_GONE_S`` without a sign of life) ends it, with the note ``status`` and
+``explain`` give too (``gone_note``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pipeline.report.ledger_access import read_run
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
+from pipeline.run.liveness import runner_gone
 from pipeline.run.step_contract import EXIT_BAD_INPUT
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0
-GONE_S = 15.0  # no host sample nor heartbeat (one a second) for this long: the runner is gone
 TAIL_BYTES = 8192  # enough of a log's end to hold its last line
 
 
@@ -113,16 +113,8 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
             "available": last.available,
             "in_use": last.in_use,
         }
-    ended, note = run["state"] != RunState.RUNNING, None
-    seen = ledger.last_seen(run_id) or run["started_at"]
-    if not ended and now - seen > GONE_S:
-        ended, note = (
-            True,
-            (
-                f"the runner (pid {run['orchestrator_pid']} on {run['host']}) is gone: its last sign of "
-                f"life was {format_duration(now - seen)} ago, at {clock(seen)}; the run did not end cleanly"
-            ),
-        )
+    note = gone_note(ledger, run, now)
+    ended = run["state"] != RunState.RUNNING or note is not None
     return RunView(
         at=now,
         run_id=run_id,
@@ -135,6 +127,19 @@ def view(ledger: Ledger, run_dir: Path) -> RunView | None:
         host_sampled=run.get("host_sampled") != 0,
         steps=steps,
         note=note,
+    )
+
+
+def gone_note(ledger: Ledger, run: dict[str, Any], now: float | None = None) -> str | None:
+    """What ``status``, ``explain`` and ``--follow`` say of a run whose runner is gone while the
+    ledger holds it as running; None otherwise."""
+    now = time.time() if now is None else now
+    seen = runner_gone(ledger, run, now)
+    if seen is None:
+        return None
+    return (
+        f"the runner (pid {run['orchestrator_pid']} on {run['host']}) is gone since {clock(seen)}, its "
+        f"last sign of life {format_duration(now - seen)} ago; the run did not end cleanly: rerun to resume"
     )
 
 

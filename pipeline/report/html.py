@@ -34,8 +34,9 @@ from pipeline.report.neighbours import neighbours
 from pipeline.report.run_chart import Legend, run_chart
 from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import clock, run_timeline
+from pipeline.run.layout import REPORT_NAME
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.step_contract import atomic_write_text, read_manifest
+from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }
@@ -230,11 +231,22 @@ def render(ledger: Ledger, run_dir: Path) -> str:
 
 def report_command(run_dir: Path | None, runs: Path, out: Path | None) -> int:
     from rich.console import Console
+    from rich.markup import escape
+
+    err = Console(stderr=True)
 
     def write(ledger: Ledger, found: Path) -> int:
-        target = out or found / "report.html"
+        target = out or found / REPORT_NAME
+        if target.is_dir():  # never replaced: a folder is not ours to delete
+            err.print(
+                f"[red]error:[/] --out {escape(str(target))} is a folder; name the report's file, "
+                f"e.g. --out {escape(str(target / REPORT_NAME))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return EXIT_BAD_INPUT
         atomic_write_text(target, render(ledger, found))
         print(target)
         return 0
 
-    return read_run(run_dir, runs, Console(stderr=True), write)
+    return read_run(run_dir, runs, err, write)

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from pipeline.run.ledger import LEDGER_NAME, Ledger
+from pipeline.run.ledger import LEDGER_NAME, Ledger, unreadable_line
 from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 
@@ -85,9 +85,5 @@ def read_run(run_dir: Path | None, runs: Path, err: Console, read: Callable[[Led
 
 def _unreadable(path: Path, exc: sqlite3.Error, err: Console) -> None:
     """One line for a ledger SQLite cannot read."""
-    err.print(
-        f"[red]error:[/] cannot read the ledger {escape(str(path))}: {escape(str(exc))} "
-        "(check that it is an eyrie ledger you may read, or pass the right --run-dir)",
-        highlight=False,
-        soft_wrap=True,
-    )
+    fix = "check that it is an eyrie ledger you may read, or pass the right --run-dir"
+    err.print(f"[red]error:[/] {escape(unreadable_line(path, exc, fix))}", highlight=False, soft_wrap=True)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from pipeline.memory import format_duration, format_size
 from pipeline.report.console import VERDICT_STYLE, wide_console
+from pipeline.report.follow import gone_note
 from pipeline.report.ledger_access import read_run
 from pipeline.report.timeline import clock
 from pipeline.run.ledger import AttemptRow, Ledger, StepState
@@ -64,6 +65,7 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
         return 0
     title = "eyrie status"
     attempts, not_run = every, {}
+    gone = gone_note(ledger, latest) if latest else None
     if latest:
         title += f" — run {latest['run_id']} {latest['state']} ({escape(latest['pipeline'])})"
         not_run = not_run_steps(ledger, latest)
@@ -71,6 +73,7 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
             attempts = [a for a in every if a.run_id == latest["run_id"]]
     if reservations:  # a build: its compile jobs, each reserved by a prediction
         console.print(_build_table(title, attempts, reservations))
+        _say_gone(console, gone)
         return 0
     table = Table(title=title, title_justify="left")
     for column, justify in [
@@ -124,7 +127,14 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
             escape(item.reason or ""),
         )
     console.print(table)
+    _say_gone(console, gone)
     return 0
+
+
+def _say_gone(console: Console, note: str | None) -> None:
+    """Below the table: the runner of a run still held as running is gone (``follow.gone_note``)."""
+    if note:
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
 def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int, list[dict]]) -> Table:

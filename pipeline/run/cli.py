@@ -11,13 +11,18 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipeline.memory import CgroupError, format_duration, format_size
+from pipeline.run.disk import RunDirFull
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
+from pipeline.run.ledger import LedgerFull, LedgerUnreadable
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.recovery import RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
 from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
+# What a run is refused or stopped for, said in one line: the file, the executor, the cgroups, the
+# run directory (busy, full) or its ledger (damaged, full).
+REFUSED = (PipelineError, ExecutorError, CgroupError, RunDirBusy, RunDirFull, LedgerUnreadable, LedgerFull)
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
 
 
@@ -104,10 +109,15 @@ def run_command(
         errors.print(f"[yellow]eyrie: {signal.Signals(signum).name}: stopping the running steps…[/]")
         orchestrator.cancel()
 
-    previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP (the terminal or SSH session closed) stops the run as SIGTERM does: recorded, not lost;
+    # unless it is ignored already (nohup): then the run outlives its terminal, as asked.
+    stopping = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        stopping.append(signal.SIGHUP)
+    previous = {s: signal.signal(s, cancel) for s in stopping}
     try:
         result = orchestrator.run()
-    except (PipelineError, ExecutorError, CgroupError, RunDirBusy) as exc:
+    except REFUSED as exc:
         say_error(str(exc))
         return EXIT_BAD_INPUT
     finally:

@@ -14,6 +14,7 @@ the help text all read this one table.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import signal as signals
@@ -125,6 +126,8 @@ class Outcome:
     """Where the facts came from when not from the step's own cgroup (an engine's or scheduler's view)."""
     thrash: str | None = None
     """Set when the runner killed the attempt for thrashing at its memory limit: the evidence."""
+    log_error: str | None = None
+    """Set when its output could not all be kept in its log files (a full disk): which, and why."""
 
     @classmethod
     def unwatched(cls, started_at: float, **known: Any) -> Outcome:
@@ -247,23 +250,39 @@ class LineCapture:
     """Copies one output stream to its log file and the line sink; keeps the last lines."""
 
     def __init__(self, stream, log_path: Path, name: str, sink: LineSink | None) -> None:
-        self._stream, self._name, self._sink = stream, name, sink
+        self._stream, self._name, self._sink, self._path = stream, name, sink, log_path
         self._log = open(log_path, "a", encoding="utf-8", errors="replace")
         self.tail: list[str] = []
+        self.write_error: str | None = None
+        """Why the log file stopped being written (a full disk), if it did: the lines go on to the
+        tail and the sink, so the step is never blocked on a pipe nobody reads."""
+        self._lines = 0
         self._thread = threading.Thread(target=self._pump, name=f"capture-{name}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
         for raw in iter(self._stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self._log.write(line + "\n")
-            self._log.flush()
+            self._lines += 1
+            self._keep(line)
             self.tail.append(line)
             if len(self.tail) > STDERR_TAIL_LINES:
                 del self.tail[0]
             if self._sink is not None:
                 self._sink(self._name, line)
-        self._log.close()
+        with contextlib.suppress(OSError):  # what could not be flushed was said in write_error
+            self._log.close()
+
+    def _keep(self, line: str) -> None:
+        if self.write_error is not None:
+            return
+        try:
+            self._log.write(line + "\n")
+            self._log.flush()
+        except OSError as exc:
+            self.write_error = (
+                f"its {self._name} log {self._path} was cut short at line {self._lines}: {exc.strerror}"
+            )
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

@@ -11,7 +11,8 @@ second, so a short dip is not lost between rows.
 
 An executor whose steps run on machines this one cannot see (Slurm's nodes)
 has no such view: then each second is a heartbeat instead, so that whoever
-follows the run can still tell a live runner from a dead one.
+follows the run can still tell a live runner from a dead one. Once the disk is
+full (the ledger gave back its reserve), one row every ``SHORT_OF_SPACE_S``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.run.ledger import HostSample, Ledger
 
 POLL_S = 0.25
 SAMPLE_S = 1.0
+SHORT_OF_SPACE_S = 10.0  # one row this often once the disk is full (a runner is gone after 15 s silent)
 
 
 class HostSampler:
@@ -57,7 +59,8 @@ class HostSampler:
             self._poll()
             if time.monotonic() >= next_flush:
                 self._flush()
-                next_flush += SAMPLE_S
+                # On a full disk each row spends what the ledger kept back for the verdicts.
+                next_flush += SHORT_OF_SPACE_S if self.ledger.reserve_given_back else SAMPLE_S
 
     def _poll(self) -> None:
         if self._read is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 STATE_DIR = ".eyrie"
+REPORT_NAME = "report.html"
+"""What ``eyrie report`` writes in the run directory unless told otherwise."""
 
 
 def attempt_name(run_id: str, step: str, attempt: int) -> str:

@@ -7,17 +7,27 @@ several finishing steps are serialised by one lock around one connection.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pipeline.memory import KIB
+from pipeline.run.disk import space_left
+from pipeline.run.layout import STATE_DIR
 
 LEDGER_NAME = "ledger.sqlite"
+LEDGER_FILES = tuple(LEDGER_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))
+"""The ledger and the files SQLite keeps beside it."""
+RESERVE_BYTES = 256 * KIB  # what the ledger's reserve holds: the writes of a run's end, many times over
+T = TypeVar("T")
 
 
 class RunState(str, enum.Enum):
@@ -240,6 +250,52 @@ class AttemptRow:
         return out
 
 
+class LedgerFull(sqlite3.OperationalError):
+    """The ledger cannot be written for want of disk space, its reserve given back already: one
+    line that says where and how much was free (a SQLite error, as what readers catch)."""
+
+
+class LedgerUnreadable(RuntimeError):
+    """The run directory's ledger is there, but SQLite cannot read it (not a database, damaged)."""
+
+
+def unreadable_line(path: Path, exc: sqlite3.Error, fix: str) -> str:
+    """One line for a ledger SQLite cannot read, and ``fix``: what to do about it."""
+    return f"cannot read the ledger {path}: {exc} ({fix})"
+
+
+def ledger_lost(run_dir: str | Path) -> str | None:
+    """Why a ledger about to be created in ``run_dir`` starts without the history the folder had:
+    its file is there but empty (0 bytes: SQLite would take it for a new database), or it is
+    missing beside earlier attempts' logs; None when nothing is lost."""
+    path = Path(run_dir) / LEDGER_NAME
+    wal = path.with_name(f"{LEDGER_NAME}-wal")
+    if path.is_file() and path.stat().st_size == 0 and not (wal.is_file() and wal.stat().st_size):
+        return f"the ledger {path} was empty (0 bytes): whatever it held is lost; a new ledger starts there"
+    logs = Path(run_dir) / STATE_DIR / "logs"
+    if not path.exists() and logs.is_dir() and any(logs.iterdir()):
+        return (
+            f"no ledger in {Path(run_dir)}, though it holds earlier attempts' logs ({logs}): a new "
+            "ledger starts there, without their history"
+        )
+    return None
+
+
+def _no_room(path: Path) -> LedgerFull:
+    """A run refused before it starts: its ledger, or the ledger's reserve, has no room."""
+    return LedgerFull(
+        f"no space left on device for the ledger {path}: {space_left(path.parent)}; free some space, "
+        "then run again"
+    )
+
+
+def _full(path: Path, exc: sqlite3.Error) -> LedgerFull:
+    return LedgerFull(
+        f"no space left on device: the ledger {path} cannot be written ({exc}; {space_left(path.parent)});"
+        " free some space, then rerun: the next run closes what this one could not record"
+    )
+
+
 class Ledger:
     def __init__(self, run_dir: str | Path, *, create: bool = True) -> None:
         self.path = Path(run_dir) / LEDGER_NAME
@@ -249,14 +305,23 @@ class Ledger:
                 f"{Path(run_dir)}` first, or pass the right --run-dir"
             )
         self._lock = threading.Lock()
+        self._reserve = Path(run_dir) / STATE_DIR / "ledger-reserve"
+        self._gave_back = False
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = _connect(self.path)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            with self._lock:
-                self._db.executescript(_SCHEMA)
-                self._add_missing_columns()
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                with self._lock:
+                    self._db.executescript(_SCHEMA)
+                    self._add_missing_columns()
+            except sqlite3.DatabaseError as exc:
+                self._db.close()
+                if exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                    raise _no_room(self.path) from None
+                fix = "move it aside to start a new ledger, its history kept there; or pass another --run-dir"
+                raise LedgerUnreadable(unreadable_line(self.path, exc, fix)) from None
         else:
             self._db = _connect_read_only(self.path)
         self._db.row_factory = sqlite3.Row
@@ -277,8 +342,53 @@ class Ledger:
                             raise  # else another writer opening the same ledger added it first
 
     def _write(self, sql: str, params: tuple | dict = ()) -> sqlite3.Cursor:
+        return self._room_made(lambda: self._db.execute(sql, params))
+
+    def hold_reserve(self) -> None:
+        """Set aside ``RESERVE_BYTES`` beside the ledger, in a file of its own, given back the first
+        time a write finds the disk full: the verdicts of the attempts that filled it still get
+        written. Raises LedgerFull when even that much is not free."""
+        if self._reserve.is_file() and self._reserve.stat().st_size >= RESERVE_BYTES:
+            return
+        try:
+            with open(self._reserve, "wb") as fh:
+                fh.write(bytes(RESERVE_BYTES))  # written, not sparse: the blocks are really held
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            self._reserve.unlink(missing_ok=True)
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise _no_room(self.path) from None
+
+    @property
+    def reserve_given_back(self) -> bool:
+        """Whether a write found the disk full and the reserve (``hold_reserve``) was given back."""
+        return self._gave_back
+
+    def _room_made(self, write: Callable[[], T]) -> T:
+        """``write()`` under the lock; on a full disk, once more after the reserve is given back.
+        LedgerFull when the disk is full still."""
         with self._lock:
-            return self._db.execute(sql, params)
+            try:
+                return self._or_rolled_back(write)
+            except LedgerFull:
+                if not self._reserve.is_file():
+                    raise
+                self._reserve.unlink()
+                self._gave_back = True
+            return self._or_rolled_back(write)
+
+    def _or_rolled_back(self, write: Callable[[], T]) -> T:
+        """``write()``; when it fails, a transaction it began is rolled back (SQLite may have done it
+        already), and a full disk raises LedgerFull."""
+        try:
+            return write()
+        except sqlite3.OperationalError as exc:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:
+                raise
+            raise _full(self.path, exc) from None
 
     # -- runs and step states ---------------------------------------------------------
     def start_run(
@@ -411,22 +521,21 @@ class Ledger:
         if unknown:
             raise ValueError(f"not attempt fields: {sorted(unknown)}")
         assignments = ", ".join(f"{k} = :{k}" for k in fields)
-        with self._lock:
+
+        def write() -> None:
             self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    f"UPDATE attempts SET state = 'ended', verdict = :verdict, reason = :reason"
-                    f"{', ' if assignments else ''}{assignments} WHERE id = :id",
-                    {**fields, "verdict": verdict, "reason": reason, "id": attempt_id},
-                )
-                self._db.executemany(
-                    "INSERT INTO samples (attempt_id, t, total_bytes, anon_bytes) VALUES (?, ?, ?, ?)",
-                    [(attempt_id, t, total, anon) for t, total, anon in timeline],
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            self._db.execute(
+                f"UPDATE attempts SET state = 'ended', verdict = :verdict, reason = :reason"
+                f"{', ' if assignments else ''}{assignments} WHERE id = :id",
+                {**fields, "verdict": verdict, "reason": reason, "id": attempt_id},
+            )
+            self._db.executemany(
+                "INSERT INTO samples (attempt_id, t, total_bytes, anon_bytes) VALUES (?, ?, ?, ?)",
+                [(attempt_id, t, total, anon) for t, total, anon in timeline],
+            )
+            self._db.execute("COMMIT")
+
+        self._room_made(write)
 
     def attempts(self, step: str | None = None) -> list[AttemptRow]:
         sql, params = "SELECT * FROM attempts", ()

@@ -18,6 +18,8 @@ from pipeline.run.executor import (
     StepOptions,
 )
 from pipeline.run.host_gpus import host_gpus
+from pipeline.run.liveness import START_SLACK_S, alive, proc_stat
+from pipeline.run.liveness import started_at as process_started_at
 from pipeline.run.monitor import CgroupMonitor
 
 # A recorded pid is the attempt's own only if that process began with the attempt (not a later
@@ -81,6 +83,7 @@ class LocalAttempt:
             stderr_tail=list(self._err.tail),
             where=self.where,
             thrash=report.thrash,
+            log_error=self._out.write_error or self._err.write_error,
         )
 
     def stop(self, reason: str) -> None:
@@ -139,13 +142,13 @@ class LocalExecutor:
             killed = cgroup.kill_all()
             left = _wait_gone(cgroup.procs)
             cgroup.remove()
-        elif pid is not None and (not _alive(pid) or _started_within(pid, started_at, PID_START_MATCH_S)):
+        elif pid is not None and (not alive(pid) or _started_within(pid, started_at, PID_START_MATCH_S)):
             # The step was started in a session of its own: its children share its process group,
             # whose id is the main process's pid. Linux gives no new process a pid still in use as
             # a group's id, so the group's members are the attempt's, even once the main process died.
-            members = sorted({*([pid] if _alive(pid) else []), *_group_members(pid)})
+            members = sorted({*([pid] if alive(pid) else []), *_group_members(pid)})
             killed = _kill(members)
-            left = _wait_gone(lambda: [p for p in members if _alive(p)])
+            left = _wait_gone(lambda: [p for p in members if alive(p)])
         else:
             return 0
         if left:
@@ -195,36 +198,17 @@ def _wait_gone(members, seconds: float = STOP_GRACE_S) -> list[int]:
     return left
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first), or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie holds nothing but its pid
-
-
 def _started_within(pid: int, started_at: float, seconds: float) -> bool:
-    fields = _stat(pid)
-    if fields is None:
-        return False
-    stat = Path("/proc/stat").read_text().splitlines()
-    boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
-    began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks since boot
-    return started_at - 2 <= began <= started_at + seconds  # btime is whole seconds
+    began = process_started_at(pid)
+    return began is not None and started_at - START_SLACK_S <= began <= started_at + seconds
 
 
 def _group_members(pgid: int) -> list[int]:
     members = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[2]) == pgid:
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) and int(fields[2]) == pgid:
             members.append(int(entry.name))
-    return [pid for pid in members if _alive(pid)]
+    return [pid for pid in members if alive(pid)]
 
 
 def _kill(pids: list[int]) -> int:

@@ -12,7 +12,9 @@ the others as ``cancelled`` (``recovery``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import queue
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.memory import Budget, CgroupError, format_size
+from pipeline.run.disk import RunDirFull, no_space_note, space_left
 from pipeline.run.executor import (
     Executor,
     ExecutorError,
@@ -38,7 +41,17 @@ from pipeline.run.executor import (
 from pipeline.run.fingerprint import check_up_to_date, step_fingerprint
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
-from pipeline.run.ledger import LEDGER_NAME, Ledger, RunState, StepState
+from pipeline.run.ledger import (
+    LEDGER_FILES,
+    LEDGER_NAME,
+    RESERVE_BYTES,
+    Ledger,
+    LedgerFull,
+    LedgerUnreadable,
+    RunState,
+    StepState,
+    ledger_lost,
+)
 from pipeline.run.recovery import Resumed, close_orphans, lock_run_dir
 from pipeline.run.retry_limit import next_limit
 from pipeline.run.services import AdoptedReplica, Services, ServiceState, check_placement, service_argv
@@ -179,18 +192,27 @@ class Orchestrator:
     # -- public ----------------------------------------------------------------------
     def run(self) -> RunResult:
         made = self._made_by_run()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             with lock_run_dir(self.run_dir):
+                if lost := ledger_lost(self.run_dir):
+                    self.reporter.note(lost)
                 self._ledger = Ledger(self.run_dir)
                 try:
+                    self._ledger.hold_reserve()
                     return self._run()
                 finally:
                     self._ledger.close()
-        except (PipelineError, ExecutorError, CgroupError):
-            if not self._started:  # refused before it began: it leaves nothing behind
-                for path in made:
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        except (PipelineError, ExecutorError, CgroupError, LedgerUnreadable, LedgerFull, OSError) as exc:
+            if self._started:
+                raise
+            for path in made:  # refused before it began: it leaves nothing behind
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise RunDirFull(
+                    f"no space left on device in {self.run_dir}: {space_left(self.run_dir)}; "
+                    "free some space, then run again"
+                ) from None
             raise
 
     def _made_by_run(self) -> list[Path]:
@@ -203,7 +225,7 @@ class Orchestrator:
             return [top]
         made = [self.run_dir / STATE_DIR] if not (self.run_dir / STATE_DIR).exists() else []
         if not (self.run_dir / LEDGER_NAME).exists():
-            made += [self.run_dir / (LEDGER_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
+            made += [self.run_dir / name for name in LEDGER_FILES]
         return made
 
     def check(self, eyrie_problem: Callable[[list[str]], str | None]) -> list[str]:
@@ -297,10 +319,14 @@ class Orchestrator:
             self._loop()
         except BaseException as exc:
             # The runner itself failed: its steps must not run on unwatched, nor stay 'running'.
-            self._stop_on_error(f"the run stopped on an error: {exc}")
-            self._services.stop_all("the run stopped on an error")
+            # A full ledger fails each write: the steps and services are stopped all the same.
+            with contextlib.suppress(LedgerFull):
+                self._stop_on_error(f"the run stopped on an error: {exc}")
+            with contextlib.suppress(LedgerFull):
+                self._services.stop_all("the run stopped on an error")
             host.stop()
-            self._ledger.end_run(self.run_id, RunState.FAILED)
+            with contextlib.suppress(LedgerFull):
+                self._ledger.end_run(self.run_id, RunState.FAILED)
             raise
         run_state = self._final_state()
         self._services.stop_all("the run ended", cancelled=self._cancel.is_set())
@@ -711,6 +737,9 @@ class Orchestrator:
             except FileNotFoundError as exc:
                 detail = str(exc)
         decision = decide(outcome, complete, detail)
+        given_back = RESERVE_BYTES if self._ledger.reserve_given_back else 0
+        if no_space := no_space_note(step_dir, outcome.log_error, outcome.stderr_tail, given_back):
+            decision = Decision(decision.verdict, f"{decision.reason}; {no_space}")
         manifest = read_manifest(step_dir) if complete else None
         if decision.verdict not in DONE_VERDICTS:
             # e.g. exit 0 after a child's OOM kill: a manifest would let a rerun skip the step.

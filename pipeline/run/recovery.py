@@ -1,6 +1,7 @@
 """A run directory between runners: one at a time, and what a runner killed without warning left.
 
-The lock (``lock_run_dir``) keeps two runners out of one run directory. A runner that died leaves
+The lock (``lock_run_dir``) keeps two runners out of one run directory; should its file be removed,
+the runner the ledger records as running, alive on this host, still does. A runner that died leaves
 attempts marked ``running`` in the ledger: the next run (``close_orphans``) watches again those
 their executor can hand back (a Slurm job outlives its runner) and closes the others as
 ``cancelled``, after ending what is left of them.
@@ -29,6 +30,7 @@ from pipeline.run.executor import (
 from pipeline.run.fingerprint import step_fingerprint
 from pipeline.run.layout import STATE_DIR
 from pipeline.run.ledger import AttemptRow, Ledger, RunState
+from pipeline.run.liveness import runner_alive_here
 from pipeline.run.services import AdoptedReplica, recorded_port, replica_launch
 from pipeline.run.spec import PipelineSpec, StepSpec
 from pipeline.run.step_inputs import expand_command
@@ -57,10 +59,8 @@ class Resumed:
 def lock_run_dir(run_dir: Path) -> _Unlock:
     """Hold the run directory for this process (its pid in the lock file, for whoever finds it
     busy), or raise RunDirBusy naming the pid that holds it."""
-    state = run_dir / STATE_DIR
-    state.mkdir(parents=True, exist_ok=True)
-    lock_path = state / "lock"
-    fh = open(lock_path, "a+")
+    _lock_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    fh = open(_lock_path(run_dir), "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -75,6 +75,24 @@ def lock_run_dir(run_dir: Path) -> _Unlock:
     fh.write(str(os.getpid()))
     fh.flush()
     return _Unlock(fh)
+
+
+def _lock_path(run_dir: Path) -> Path:
+    return run_dir / STATE_DIR / "lock"
+
+
+def refuse_beside_a_live_runner(ledger: Ledger, run_dir: Path) -> None:
+    """Raise RunDirBusy when the ledger holds a run whose runner still runs on this host, though
+    this process got the lock: its lock file was removed. Its attempts are not orphans."""
+    for run in ledger.runs():
+        pid = run["orchestrator_pid"]
+        # This process holds the lock: a run under its own pid (an earlier one in it) has ended.
+        if run["state"] == RunState.RUNNING and pid != os.getpid() and runner_alive_here(run):
+            raise RunDirBusy(
+                f"{run_dir} is in use by eyrie pid {pid}, running {run['run_id']}, though its lock "
+                f"{_lock_path(run_dir)} was removed; wait for it, or stop it (kill -TERM {pid}), then "
+                "run again"
+            )
 
 
 class _Unlock:
@@ -104,6 +122,7 @@ def close_orphans(
     (a service's replica, when its service's command is: it goes on serving); what is left of the
     others is ended where the ledger says they ran and recorded cancelled. One that cannot be
     stopped, or that ran on another host, stays 'running', and nothing starts."""
+    refuse_beside_a_live_runner(ledger, run_dir)
     executors = {executor.name: executor}
     resumed: list[Resumed | AdoptedReplica] = []
     stuck = []

@@ -25,6 +25,8 @@ from pydantic import (
 from pipeline.memory import MIB, parse_duration, parse_size
 from pipeline.run import EXECUTORS
 from pipeline.run.executor import StepOptions, executor_class
+from pipeline.run.layout import REPORT_NAME, STATE_DIR
+from pipeline.run.ledger import LEDGER_FILES
 from pipeline.run.step_contract import (
     PIPELINE_DIR_ENV,
     RUN_DIR_ENV,
@@ -41,6 +43,9 @@ VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # directory and name, the folder of the pipeline file; for a service's replica, its port.
 RUNNER_VARIABLES = frozenset({RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV, PIPELINE_DIR_ENV, SERVICE_PORT_ENV})
 MAX_REPLICAS = 64
+MAX_FILE_VALUES = 100_000  # keys, lists and scalars a pipeline file may expand to (its aliases too)
+# A step's or service's folder is named after it beside these: the name must not be one of them.
+RUN_DIR_OWN_NAMES = frozenset({*LEDGER_FILES, REPORT_NAME, STATE_DIR})
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
@@ -201,6 +206,11 @@ class _Pipeline(BaseModel):
             raise ValueError(f"service names must be unique; repeated: {', '.join(dupes)}")
         if both := sorted(set(names) & set(services)):
             raise ValueError(f"{', '.join(both)}: the name of both a step and a service; rename one")
+        if taken := sorted(set(names + services) & RUN_DIR_OWN_NAMES):
+            raise ValueError(
+                f"{', '.join(taken)}: a name eyrie keeps for its own files in the run directory "
+                f"({', '.join(sorted(RUN_DIR_OWN_NAMES))}), where a step's folder is made; rename it"
+            )
         for step in self.steps:
             if step.name in step.needs:
                 raise ValueError(f"step {step.name!r} needs itself")
@@ -311,7 +321,16 @@ def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
     its ``env:``, are left for the runner to expand when the step starts.
     """
 
+    values = 0
+
     def walk(node: Any, where: tuple, step_env: frozenset[str]) -> Any:
+        nonlocal values
+        values += 1
+        if values > MAX_FILE_VALUES:  # an alias bomb would expand for minutes: refused at the bound
+            raise PipelineError(
+                f"{path}: more than {MAX_FILE_VALUES:,} values once its YAML aliases (*name) are "
+                "expanded; a pipeline file holds far fewer: write the repeated part out, or alias less"
+            )
         if isinstance(node, dict):
             if len(where) == 2 and where[0] in ("steps", "services") and isinstance(node.get("env"), dict):
                 step_env = frozenset(node["env"])

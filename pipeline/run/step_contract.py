@@ -5,10 +5,11 @@ A step runs in its own directory and finds its place in the environment the runn
 first removes the manifest of an earlier attempt (``invalidate_manifest``), writes each
 output through a temporary name and renames it into place (``atomic_path``), then writes
 ``manifest.json`` in its step directory (``write_manifest``; a plain command runs ``eyrie
-manifest OUTPUT…``). Outputs are complete when the manifest exists and every file it lists
-still has the recorded size and sha256 (``check_manifest``). The runner passes the step's
-input fingerprint in ``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a rerun can
-tell whether the inputs changed.
+manifest OUTPUT…``). Outputs are complete when the manifest exists, every file it lists
+still has the recorded size and sha256, and a folder output holds no file it does not list,
+hidden ones included (``check_manifest``). The runner passes the step's input fingerprint in
+``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a rerun can tell whether the inputs
+changed.
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
     A folder is fsynced whole (every file in it, and the folder) before the rename, and the parent
     after it. On an exception the temporary file or folder is removed, so nothing half-written
-    ever sits under the final name.
+    ever sits under the final name. A folder at ``path`` is replaced only by a folder (an earlier
+    write of the same output); a file written where a folder is raises IsADirectoryError, and the
+    folder is left as it was.
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
-        if tmp.is_dir() or final.is_dir():
+        if final.is_dir() and not final.is_symlink() and not tmp.is_dir():
+            raise IsADirectoryError(f"{final} is a folder; write the file under another name")
+        if tmp.is_dir():
             _remove(final)  # a folder cannot be renamed over; a file is swapped in, its name never missing
         os.replace(tmp, final)
         fsync_dir(final.parent)
@@ -174,12 +179,10 @@ def _count_lines(path: Path) -> int:
 
 
 def _files_of(output: Path) -> dict[str, Path]:
+    """Every file of an output, by its path in it (``.`` for a plain file): hidden ones too, so
+    nothing added to a folder output goes unseen."""
     if output.is_dir():
-        return {
-            str(p.relative_to(output)): p
-            for p in sorted(output.rglob("*"))
-            if p.is_file() and not p.name.startswith(".")
-        }
+        return {str(p.relative_to(output)): p for p in sorted(output.rglob("*")) if p.is_file()}
     return {".": output}
 
 
@@ -302,9 +305,12 @@ def check_manifest(step_dir: str | os.PathLike[str], declared: list[str] | None 
         return False, f"{MANIFEST_NAME} does not list declared output(s) {', '.join(missing)}"
     for name, files in manifest.outputs.items():
         output = root / name
+        if output.is_dir() and (added := sorted(set(_files_of(output)) - set(files))):
+            more = f" and {len(added) - 1} more" if len(added) > 1 else ""
+            return False, f"{output / added[0]}{more} not in {MANIFEST_NAME}: added since it was written"
         for rel, entry in files.items():
             if rel == "." and output.is_dir():
-                continue
+                continue  # a folder's record count, not a file
             file = output if rel == "." else output / rel
             if not file.is_file():
                 return False, f"{file} is listed in {MANIFEST_NAME} but missing"

@@ -15,6 +15,11 @@ from pathlib import Path
 from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec, StepSpec, UnknownVariable, substitute
 from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 
+# What exec takes (Linux): one argument or environment string of at most 32 pages, and all of them
+# together (the environment too) at most ARG_MAX.
+MAX_ARG_STRLEN = 32 * os.sysconf("SC_PAGE_SIZE")
+ARG_MAX = os.sysconf("SC_ARG_MAX")
+
 
 def runner_env(pipeline_path: Path, run_dir: Path, step: StepSpec | ServiceSpec) -> dict[str, str]:
     """The variables the runner sets for every step and service: its place in the run (the step
@@ -51,12 +56,31 @@ def expand_argv(pipeline_path: Path, where: str, command: list[str], variables: 
         raise UnknownVariable(name)
 
     try:
-        return [substitute(arg, lookup) for arg in command]
+        argv = [substitute(arg, lookup) for arg in command]
     except UnknownVariable as exc:
         raise PipelineError(
             f"{pipeline_path}: {where}.command: unknown variable ${{{exc.args[0]}}}; "
             f"known here: {', '.join(sorted(variables))}"
         ) from None
+    _check_argv_size(pipeline_path, where, argv, {**os.environ, **variables})
+    return argv
+
+
+def _check_argv_size(pipeline_path: Path, where: str, argv: list[str], env: dict[str, str]) -> None:
+    """A PipelineError for an argv the kernel would refuse to exec ("Argument list too long")."""
+    sizes = [len(os.fsencode(arg)) + 1 for arg in argv]  # as exec counts them: with their NUL
+    for i, size in enumerate(sizes):
+        if size > MAX_ARG_STRLEN:
+            raise PipelineError(
+                f"{pipeline_path}: {where}.command[{i}]: {size:,} bytes, over the {MAX_ARG_STRLEN:,} "
+                "bytes Linux takes in one argument (MAX_ARG_STRLEN); pass it in a file, and its path"
+            )
+    total = sum(sizes) + sum(len(os.fsencode(f"{k}={v}")) + 1 for k, v in env.items())
+    if total > ARG_MAX:
+        raise PipelineError(
+            f"{pipeline_path}: {where}.command: {total:,} bytes with its environment, over the "
+            f"{ARG_MAX:,} bytes this system takes in a command's arguments (ARG_MAX); pass them in a file"
+        )
 
 
 def missing_input(pipeline_path: Path, step: StepSpec, path: Path) -> PipelineError:

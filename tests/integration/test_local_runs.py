@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from eyrie_testing import REPO, SCENARIOS, attempts_json, eyrie
+from pipeline.run.ledger import Ledger
 
 pytestmark = pytest.mark.usefixtures("real_cgroups")
 SCENARIO = REPO / "tests" / "scenarios" / "scenario.py"
@@ -457,3 +460,218 @@ def test_a_step_that_cannot_be_stopped_is_not_started_again(tmp_path):
             time.sleep(0.1)
         frozen.rmdir()
         _remove_tree(other.path)
+
+
+def test_a_file_added_to_a_folder_output_runs_its_step_and_the_next_again(tmp_path):
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: gen
+    command: [sh, -c, "mkdir -p dir && echo a > dir/a.txt && echo b > dir/.b"]
+    memory: 64MiB
+    outputs: [dir]
+  - name: use
+    command: [sh, -c, "cat ../gen/dir/* > all.txt"]
+    memory: 64MiB
+    needs: [gen]
+    outputs: [all.txt]
+""",
+    )
+    run_dir = tmp_path / "run"
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True).stdout.count("skipped") == 2
+    for stray in ("c.txt", ".hidden"):
+        (run_dir / "gen" / "dir" / stray).write_text("extra\n")
+        again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+        assert "skipped" not in again.stdout, again.stdout
+        (run_dir / "gen" / "dir" / stray).unlink()  # gone again: gen writes no such file
+    assert [a["step"] for a in attempts_json(run_dir)] == ["gen", "use"] * 3
+
+
+def _start_runner(pipeline: Path, run_dir: Path) -> tuple[subprocess.Popen, int]:
+    """`eyrie run` until its step runs: the runner and the step's pid."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (run_dir / "ledger.sqlite").exists() and (rows := attempts_json(run_dir)) and rows[0]["pid"]:
+            return runner, rows[0]["pid"]
+        time.sleep(0.2)
+    runner.kill()
+    pytest.fail("the step never started")
+
+
+def test_a_removed_lock_does_not_let_a_second_runner_reap_a_live_run(tmp_path):
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    runner, step_pid = _start_runner(pipeline, run_dir)
+    try:
+        (run_dir / ".eyrie" / "lock").unlink()
+        second = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+        assert second.returncode == 2, second.stdout + second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert f"{run_dir} is in use by eyrie pid {runner.pid}, running " in line
+        assert "lock" in line and "was removed" in line
+        os.kill(step_pid, 0)  # the live run's step was left alone
+        (attempt,) = attempts_json(run_dir)
+        assert attempt["state"] == "running" and attempt["pid"] == step_pid
+    finally:
+        runner.send_signal(signal.SIGTERM)
+        output = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 130, output  # the first runner went on, and ends its run itself
+    (attempt,) = attempts_json(run_dir)
+    assert attempt["verdict"] == "cancelled" and "stopped before this attempt ended" not in attempt["reason"]
+
+
+def test_status_and_explain_say_a_killed_runner_is_gone(tmp_path):
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    runner, _ = _start_runner(pipeline, run_dir)
+    runner.kill()
+    runner.communicate()
+    time.sleep(2.5)  # past the sign of life a live runner writes each second
+    gone = rf"the runner \(pid {runner.pid} on \S+\) is gone since \d\d:\d\d:\d\d, its last sign of life"
+    status = " ".join(eyrie("status", "--run-dir", str(run_dir), check=True).stdout.split())
+    assert re.search(gone, status) and "rerun to resume" in status, status
+    explained = " ".join(eyrie("explain", "slow", "--run-dir", str(run_dir), check=True).stdout.split())
+    assert re.search(gone.replace("the runner", "The runner"), explained), explained
+    assert "rerun to resume" in explained
+    pipeline.write_text(pipeline.read_text().replace("sleep]", "succeed]"))
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)  # ends the orphaned step
+    assert "is gone" not in eyrie("status", "--run-dir", str(run_dir), check=True).stdout
+
+
+def test_sighup_stops_the_run_as_sigterm_does(tmp_path):
+    """An SSH session that drops sends SIGHUP: the run is recorded cancelled, not left running."""
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    runner, step_pid = _start_runner(pipeline, run_dir)
+    runner.send_signal(signal.SIGHUP)
+    output = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 130, output
+    assert "SIGHUP: stopping the running steps" in output
+    (attempt,) = attempts_json(run_dir)
+    assert attempt["verdict"] == "cancelled"
+    with pytest.raises(ProcessLookupError):
+        os.kill(step_pid, 0)
+
+
+def test_under_nohup_sighup_leaves_the_run_going(tmp_path):
+    pipeline = write_pipeline(tmp_path, SLOW_STEP.replace("sleep]", "hold, '10', '3']"))
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen(
+        ["nohup", sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    for line in runner.stdout:
+        if "▶ attempt 1" in line:
+            break
+    runner.send_signal(signal.SIGHUP)
+    output = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 0, output
+    (attempt,) = attempts_json(run_dir)
+    assert attempt["verdict"] == "succeeded"
+
+
+def test_a_secret_given_through_env_stays_out_of_the_ledger_and_the_report(tmp_path):
+    """As README's "Running a pipeline" says: a ${NAME} in `command` is the argv, kept in the ledger
+    by design; one in `env` reaches the step and nothing eyrie keeps."""
+    secret = f"s3cr3t-{os.getpid()}"
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: call
+    command: [sh, -c, 'test "$API_KEY" = "$EXPECTED" && echo called']
+    memory: 64MiB
+    env: {API_KEY: "${API_KEY}", EXPECTED: "${API_KEY}"}
+  - name: leaky
+    command: [echo, "${API_KEY}"]
+    memory: 64MiB
+    needs: [call]
+""",
+    )
+    run_dir = tmp_path / "run"
+    eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True, settings={"API_KEY": secret})
+    call, leaky = attempts_json(run_dir)
+    assert call["verdict"] == "succeeded" and secret not in json.dumps(call)
+    assert leaky["argv"] == ["echo", secret]  # in the command: the argv, recorded as run
+    pipeline.write_text(pipeline.read_text().split("  - name: leaky")[0])
+    clean = tmp_path / "clean"
+    eyrie("run", str(pipeline), "--run-dir", str(clean), check=True, settings={"API_KEY": secret})
+    eyrie("report", "--run-dir", str(clean), check=True)
+    kept = [p for p in clean.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert kept == [] and secret not in eyrie("status", "--json", "--run-dir", str(clean)).stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB filesystem of its own (a tmpfs, as root here and in CI) for a run directory."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_ends_the_attempt_with_a_verdict_that_says_so(small_disk, tmp_path):
+    """A step writes 4 MiB into a 2 MiB run directory, then prints on: its pipe is drained though its
+    log cannot be written, the ledger records why, and nothing is left 'running'."""
+    pipeline = write_pipeline(
+        tmp_path,
+        """
+steps:
+  - name: gen
+    command: [sh, -c, "dd if=/dev/zero of=big bs=1M count=4; seq 1 50000 >&2; exit 1"]
+    memory: 64MiB
+    timeout: 60s
+  - name: after
+    command: ["true"]
+    memory: 64MiB
+    needs: [gen]
+""",
+    )
+    started = time.monotonic()
+    result = eyrie("run", str(pipeline), "--run-dir", str(small_disk), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert time.monotonic() - started < 30  # never waits out the step's timeout on a full pipe
+    assert "Traceback" not in result.stderr and result.stderr.strip() == "", result.stderr
+    (said,) = [line for line in result.stdout.splitlines() if line.startswith("gen ✗")]
+    assert "no space left on device" in said
+    (gen,) = [a for a in attempts_json(small_disk) if a["step"] == "gen"]
+    assert gen["verdict"] == "failed" and gen["state"] == "ended"
+    assert re.search(
+        rf"no space left on device under {small_disk}/gen: {small_disk} had [\d.]+ \w?i?B free of 2\.00 MiB "
+        rf"when it ended.*its stderr log {small_disk}/\.eyrie/logs/gen/attempt-1\.stderr\.log was cut short",
+        gen["reason"],
+    ), gen["reason"]
+    assert gen["stderr_tail"][-1] == "50000"  # read to its end, though not kept in the log
+    status = eyrie("status", "--json", "--run-dir", str(small_disk), check=True)
+    assert '"state": "running"' not in status.stdout
+    ledger = Ledger(small_disk, create=False)
+    assert ledger.latest_run()["state"] == "failed"
+    ledger.close()
+    (small_disk / "gen" / "big").unlink()  # space again: the next run starts, and runs gen again
+    pipeline.write_text(pipeline.read_text().replace("count=4", "count=1").replace("exit 1", "exit 0"))
+    assert eyrie("run", str(pipeline), "--run-dir", str(small_disk)).returncode == 0
+
+
+@pytest.mark.parametrize("left", [0, 128 << 10], ids=["nothing left", "less than the ledger's reserve"])
+def test_a_run_directory_with_no_space_left_is_refused_in_one_line(small_disk, tmp_path, left):
+    pipeline = write_pipeline(tmp_path, 'steps:\n  - name: a\n    command: ["true"]\n    memory: 64MiB\n')
+    filler = small_disk / "filler"
+    with open(filler, "wb") as fh, contextlib.suppress(OSError):
+        fh.write(bytes((2 << 20) - left))
+    result = eyrie("run", str(pipeline), "--run-dir", str(small_disk / "run"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    free = rf"{small_disk} had [\d.]+ \w?i?B free of 2\.00 MiB"
+    assert re.search(rf"no space left on device.*{free}", line), line
+    assert "free some space, then run again" in line
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # nothing half-made

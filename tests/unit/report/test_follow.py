@@ -147,8 +147,8 @@ def test_follow_ends_when_the_runner_is_gone_whatever_its_pid_has_become(tmp_pat
     (view,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert view["ended"] and view["state"] == "running", view
     assert re.fullmatch(
-        rf"the runner \(pid {os.getpid()} on node-elsewhere\) is gone: "
-        r"its last sign of life was 4\d\.\ds ago, at \d\d:\d\d:\d\d; the run did not end cleanly",
+        rf"the runner \(pid {os.getpid()} on node-elsewhere\) is gone since \d\d:\d\d:\d\d, its last "
+        r"sign of life 4\d\.\ds ago; the run did not end cleanly: rerun to resume",
         view["note"],
     ), view["note"]
     assert view["steps"] == [{"step": "prep", "state": "pending", "attempt": None, "verdict": None,

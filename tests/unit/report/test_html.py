@@ -87,3 +87,33 @@ def test_the_report_of_a_one_second_oom_draws_the_memory_growing_from_the_start(
     (band,) = re.findall(r'<path class="area" data-series="steps-grows" d="([^"]+)"', page)
     first, highest = _first_and_highest(band)
     assert first - highest > 80, band  # of the 160 px of the steps panel
+
+
+def _a_ledger(run_dir):
+    ledger = Ledger(run_dir)
+    ledger.start_run("r1", "p.yaml", "local", ["a"], 2**30, "MemAvailable")
+    ledger.end_run("r1", "succeeded")
+    ledger.close()
+
+
+def test_report_out_naming_a_folder_is_refused_and_the_folder_kept(tmp_path):
+    _a_ledger(tmp_path / "run")
+    precious = tmp_path / "precious"
+    (precious / "deep").mkdir(parents=True)
+    (precious / "deep" / "keep.txt").write_text("mine")
+    result = eyrie("report", "--run-dir", str(tmp_path / "run"), "--out", f"{precious}/")
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"--out {precious} is a folder" in line and "report.html" in line
+    assert (precious / "deep" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in precious.iterdir()) == ["deep"]
+
+
+def test_report_never_replaces_a_folder_named_like_it(tmp_path):
+    """A run directory from before such names were refused: a step's folder named report.html."""
+    _a_ledger(tmp_path)
+    (tmp_path / "report.html").mkdir()
+    (tmp_path / "report.html" / "out.txt").write_text("a step's output")
+    result = eyrie("report", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and "is a folder" in result.stderr
+    assert (tmp_path / "report.html" / "out.txt").read_text() == "a step's output"

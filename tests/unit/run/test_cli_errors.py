@@ -1,8 +1,13 @@
 """What a user sees when something is wrong: one line, what and where, non-zero exit."""
 
 import json
+import os
+import time
+
+import pytest
 
 from eyrie_testing import eyrie
+from pipeline.run.spec import PipelineError, load_pipeline
 
 
 def test_bad_pipeline_is_one_line_naming_file_and_key(tmp_path):
@@ -150,3 +155,68 @@ def test_check_names_each_steps_problem_and_writes_nothing(tmp_path):
         "install it, or give its full path",
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_run_on_a_damaged_ledger_is_one_line_naming_it_and_leaves_it_as_it_was(tmp_path):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ledger = run_dir / "ledger.sqlite"
+    ledger.write_text("not a database\n" * 100)
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot read the ledger {ledger}: file is not a database" in lines[0]
+    assert "move it aside" in lines[0]
+    assert ledger.read_text() == "not a database\n" * 100
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ledger.sqlite"]  # nothing half-made
+
+
+def test_a_ledger_restarted_from_nothing_says_so(tmp_path):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ledger.sqlite").write_bytes(b"")
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [line for line in result.stdout.splitlines() if "was empty (0 bytes)" in line]
+    assert len(said) == 1 and str(run_dir / "ledger.sqlite") in said[0], result.stdout
+    assert "a new ledger starts there" in said[0]
+    again = eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)  # a real ledger now
+    assert "0 bytes" not in again.stdout and "new ledger" not in again.stdout
+    (run_dir / "ledger.sqlite").unlink()  # lost, beside the logs of the attempts it held
+    result = eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)
+    assert f"no ledger in {run_dir}, though it holds earlier attempts' logs" in result.stdout
+
+
+def test_a_command_argument_too_long_to_exec_is_refused_at_check_and_at_start(tmp_path):
+    """Linux takes at most 32 pages (128 KiB) in one argument; past that exec says only "Argument
+    list too long", after the step's cgroup was made."""
+    path = tmp_path / "p.yaml"
+    path.write_text(f"steps:\n  - name: a\n    command: [echo, ok, {'x' * 2**20}]\n    memory: 64MiB\n")
+    limit = f"{32 * os.sysconf('SC_PAGE_SIZE'):,}"
+    for check in (["--check"], []):
+        result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"), *check)
+        assert result.returncode == 2, result.stdout + result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, result.stderr
+        assert f"{path}: steps (a).command[2]: 1,048,577 bytes, over the {limit} bytes" in lines[0]
+        assert "MAX_ARG_STRLEN" in lines[0]
+        assert not (tmp_path / "run").exists()  # nothing made, no cgroup left
+
+
+def test_a_yaml_alias_bomb_is_refused_within_a_second(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    path = tmp_path / "p.yaml"
+    path.write_text("\n".join(levels) + "\nsteps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n")
+    started = time.monotonic()
+    with pytest.raises(PipelineError) as info:
+        load_pipeline(path)
+    assert time.monotonic() - started < 1.0
+    assert str(info.value).startswith(f"{path}: more than 100,000 values once its YAML aliases")
+    result = eyrie("run", str(path), "--check", "--run-dir", str(tmp_path / "run"), timeout=30)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr

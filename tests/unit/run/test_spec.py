@@ -125,3 +125,18 @@ def test_a_setting_without_default_must_be_set(tmp_path):
     )
     with pytest.raises(PipelineError, match=r"steps\[0\] \(train\)\.gpus: Input should be a valid integer"):
         load_pipeline(path, environ={"GPUS": "eight"})
+
+
+@pytest.mark.parametrize("name", ["ledger.sqlite", "ledger.sqlite-wal", "report.html"])
+def test_a_step_named_like_eyries_own_files_is_refused_in_one_line(tmp_path, name):
+    """Its folder would sit where the ledger or the report is written (``eyrie report`` once lost a
+    step named report.html, outputs and all)."""
+    path = write(tmp_path, GOOD.replace("name: train", f"name: {name}"))
+    with pytest.raises(PipelineError, match=rf"{name}: a name eyrie keeps for its own files") as info:
+        load_pipeline(path)
+    assert str(info.value).startswith(str(path)) and "\n" not in str(info.value)
+
+
+def test_a_step_named_like_eyries_state_folder_is_refused(tmp_path):
+    with pytest.raises(PipelineError, match=r"steps\[1\] \(.eyrie\)\.name"):
+        load_pipeline(write(tmp_path, GOOD.replace("name: train", "name: .eyrie")))

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 
@@ -115,3 +116,53 @@ def test_a_services_urls_are_where_the_runner_says_its_replicas_answer_now(tmp_p
     atomic_write_text(service_urls_path(tmp_path, "web"), "http://a:1\n")
     assert service_urls("web", env) == ["http://a:1", "http://b:2"]
     assert service_urls("web", {"EYRIE_RUN_DIR": str(tmp_path)}) == []  # a step that does not use it
+
+
+def test_a_file_is_never_written_over_a_folder(tmp_path):
+    """A folder holds what it holds: writing a file at its name leaves it, and everything in it."""
+    precious = tmp_path / "precious"
+    (precious / "deep").mkdir(parents=True)
+    (precious / "deep" / "keep.txt").write_text("mine")
+    with pytest.raises(IsADirectoryError, match="precious is a folder"):
+        atomic_write_text(precious, "<html>")
+    assert (precious / "deep" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]  # no temporary left
+
+
+def test_a_folder_output_written_again_replaces_the_earlier_one(tmp_path):
+    shards = tmp_path / "shards"
+    for content in ("first", "second"):
+        with atomic_path(shards) as tmp:
+            tmp.mkdir()
+            (tmp / "0.txt").write_text(content)
+    assert [p.name for p in shards.iterdir()] == ["0.txt"] and (shards / "0.txt").read_text() == "second"
+
+
+def _folder_output(root):
+    (root / "dir" / "sub").mkdir(parents=True)
+    (root / "dir" / "a.txt").write_text("a")
+    (root / "dir" / ".state").write_text("hidden")
+    (root / "dir" / "sub" / "b.txt").write_text("b")
+    write_manifest(root, ["dir"])
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        (lambda d: (d / "c.txt").write_text("extra"), r"dir/c.txt not in manifest.json: added"),
+        (lambda d: (d / "sub" / ".stray").write_text("x"), r"dir/sub/.stray not in manifest.json: added"),
+        (lambda d: (d / "a.txt").unlink(), r"dir/a.txt is listed in manifest.json but missing"),
+        (lambda d: (d / ".state").unlink(), r"dir/.state is listed in manifest.json but missing"),
+        (lambda d: (d / ".state").write_text("HIDDEN"), r"dir/.state changed since"),
+    ],
+)
+def test_a_folder_outputs_manifest_covers_its_whole_content(tmp_path, change, said):
+    """An added, removed or changed file, hidden or not, anywhere in a folder output, is a change:
+    a stray shard in tokenize/shards would otherwise be read by train without a word."""
+    _folder_output(tmp_path)
+    assert check_manifest(tmp_path, ["dir"]) == (True, "manifest matches the files")
+    assert ".state" in read_manifest(tmp_path).outputs["dir"]
+    change(tmp_path / "dir")
+    complete, why = check_manifest(tmp_path, ["dir"])
+    assert not complete
+    assert re.search(said, why), why

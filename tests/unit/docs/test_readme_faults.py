@@ -1,0 +1,42 @@
+"""README says what eyrie guarantees when things go wrong, and how to keep a secret out of the ledger
+and a long run alive: the operator reads it there before the bad day, not in the code after it."""
+
+from __future__ import annotations
+
+import re
+
+from eyrie_testing import REPO
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def section(title: str) -> str:
+    """The text of README's ``## title`` section, up to the next one."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.M | re.S)
+    assert match, f"README has no section {title!r}"
+    return " ".join(match.group(1).split())
+
+
+def test_reading_the_ledger_says_what_holds_under_each_fault():
+    text = section("Reading the ledger")
+    faults = [
+        "the runner is killed",
+        "two runners in one run directory",
+        "a damaged ledger",
+        "a folder output changed after its run",
+        "a full disk",
+        "`eyrie report --out` naming a folder",
+        "a secret in a step's `command`",
+    ]
+    for fault in faults:
+        assert f"| {fault}" in text, fault
+    assert "no space left on device under RUN_DIR/STEP" in text and "never left `running`" in text
+    assert "hidden ones included (no name is left out)" in text
+
+
+def test_running_a_pipeline_says_where_a_secret_goes_and_how_a_long_run_outlives_its_shell():
+    text = section("Running a pipeline")
+    assert "A `${NAME}` in a step's `command` is part of its argv" in text
+    assert "by design" in text and "through the step's `env`" in text and "a file the step reads" in text
+    for way in ("tmux", "nohup eyrie run", "systemd-run"):
+        assert way in text, way
