@@ -1,16 +1,18 @@
 """``eyrie accept``: the exported draft against its target, on the prompts training held out.
 
-Two measurements with the same decoder, one with speculation and one without: the accept
-length (tokens yielded per target forward) and the output tokens/s of each, so the
-speed-up is a ratio measured side by side.
+Two measurements, one with speculation and one without, at the same batch: the accept length
+(tokens yielded per verifying target forward, pooled over requests) and the output tokens/s of
+each, so the speed-up is a ratio of wall-clock rates measured side by side.
 
 - ``sglang`` (a GPU host): SGLang serves the target with the draft
   (``--speculative-algorithm EAGLE3``), then the same server without it; held-out prompts
   go to its native ``/generate`` as token ids, greedy, ``concurrency`` in flight. The
   accept length is SGLang's own count: completion tokens / verify forwards.
-- ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.eagle3.decoding``), K draft
-  tokens per target forward, against the same loop proposing none. Its outputs must equal
-  each other token for token (greedy verification is lossless): a difference fails the step.
+- ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.eagle3.decoding``, both models
+  on their caches), K draft tokens per target forward, one request at a time, against the
+  target's own greedy ``generate``. Their outputs must equal each other token for token (greedy
+  verification is lossless): a difference fails the step. It also gives the acceptance rate at
+  each draft position.
 
 Both check the draft folder first: every tensor its class holds, by name and shape, for this
 target (SGLang would skip an unknown tensor and leave a missing one random). With ``--topk 1``
@@ -61,6 +63,8 @@ from pipeline.steps.wrapper import language_config
 
 RESULT = "accept.json"
 EXIT_FAILED = 1
+# SpecForge's own benchmark averages per-request means instead: a short answer weighs as much as a long one.
+ACCEPT_LENGTH_IS = "pooled over requests: completion tokens / verifying forwards, as SGLang and vLLM count it"
 Engine = Literal["sglang", "chain"]
 
 console = Console(stderr=True, soft_wrap=True)
@@ -179,10 +183,39 @@ def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> 
     return runs["speculative"], runs["baseline"]
 
 
+def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
+    """The share of verifying forwards that kept the draft at each position 1..K (vLLM's rate per
+    position): a forward keeps its i-th draft when it yields more than i tokens."""
+    return [round(sum(n > i for n in per_forward) / len(per_forward), 4) for i in range(1, k + 1)]
+
+
+def _chain_run(
+    seconds: float, outputs: list[list[int]], per_forward: list[int] | None = None, k: int = 0
+) -> dict:
+    total = sum(len(t) for t in outputs)
+    run = {
+        "output_tokens": total,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(total / seconds, 2),
+        "verify_forwards": None,
+        "accept_length": None,
+        "acceptance_rate_per_position": None,
+    }
+    if per_forward:
+        # As SGLang counts it, pooled over the requests: completion tokens over verifying forwards
+        # (the prompt's own forward, which yields the first token, is not one).
+        run["verify_forwards"] = len(per_forward)
+        run["accept_length"] = round(total / len(per_forward), 3)
+        run["acceptance_rate_per_position"] = acceptance_rates(per_forward, k)
+    return run
+
+
 def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """The cached chain loop against the target's own greedy ``generate`` on the same prompts, one
+    request at a time (batch 1), wall-clock."""
     import torch
 
-    from pipeline.steps.eagle3.decoding import eos_ids_of, speculative_generate
+    from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate, speculative_generate
     from pipeline.steps.eagle3.export import load_draft
     from pipeline.steps.target import load_model
 
@@ -190,34 +223,27 @@ def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, d
     target.eval()
     draft = load_draft(settings.draft, target.get_input_embeddings().weight)
     eos_ids = eos_ids_of(target)
-    outputs: dict[str, list[list[int]]] = {}
-    runs = {}
-    for name, k in (("speculative", settings.speculation.num_steps), ("baseline", 0)):
-        started = time.monotonic()
-        generated, per_forward = [], []
-        for prompt in prompts:
-            tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
-            generated.append(tokens)
-            per_forward += yielded
-        seconds = time.monotonic() - started
-        outputs[name] = generated
-        total = sum(len(t) for t in generated)
-        runs[name] = {
-            "output_tokens": total,
-            "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(total / seconds, 2),
-            # As SGLang counts it: completion tokens over verifying forwards (the prompt's own
-            # forward, which yields the first token, is not one).
-            "verify_forwards": len(per_forward) if k else None,
-            "accept_length": round(total / len(per_forward), 3) if k and per_forward else None,
-        }
-    if outputs["speculative"] != outputs["baseline"]:
-        differ = sum(a != b for a, b in zip(outputs["speculative"], outputs["baseline"], strict=True))
+    k = settings.speculation.num_steps
+    # One-time costs (first allocations, lazy set-up) out of the timing, as the servers get a warm-up request.
+    speculative_generate(target, draft, prompts[0], k, 8, eos_ids)
+    greedy_generate(target, prompts[0], 8, eos_ids)
+    started = time.monotonic()
+    speculative, per_forward = [], []
+    for prompt in prompts:
+        tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
+        speculative.append(tokens)
+        per_forward += yielded
+    spec_seconds = time.monotonic() - started
+    started = time.monotonic()
+    baseline = [greedy_generate(target, prompt, settings.max_new_tokens, eos_ids) for prompt in prompts]
+    base_seconds = time.monotonic() - started
+    if speculative != baseline:
+        differ = sum(a != b for a, b in zip(speculative, baseline, strict=True))
         raise DecodingMismatch(
-            f"speculative decoding changed {differ} of {len(prompts)} greedy outputs: the draft's tokens "
-            "must only ever be kept where the target agrees (a bug, not a draft quality issue)"
+            f"speculative decoding changed {differ} of {len(prompts)} of the target's greedy outputs: the "
+            "draft's tokens must only ever be kept where the target agrees (a bug, not a draft quality issue)"
         )
-    return runs["speculative"], runs["baseline"]
+    return _chain_run(spec_seconds, speculative, per_forward, k), _chain_run(base_seconds, baseline)
 
 
 def _say(message: str) -> None:
@@ -265,6 +291,8 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
         "topk": spec.topk,
         "num_draft_tokens": spec.num_draft_tokens,
         "accept_length": speculative["accept_length"],
+        "accept_length_is": ACCEPT_LENGTH_IS,
+        "acceptance_rate_per_position": speculative.get("acceptance_rate_per_position"),
         "output_tokens_per_s": speculative["output_tokens_per_s"],
         "baseline_output_tokens_per_s": baseline["output_tokens_per_s"],
         "speedup": round(speculative["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3),
@@ -274,7 +302,7 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
     atomic_write_text(step_dir / RESULT, json.dumps(result, indent=2) + "\n")
     write_manifest(step_dir, [RESULT], stats=result)
     console.print(
-        f"accept ({settings.engine}): accept length {result['accept_length']}, "
+        f"accept ({settings.engine}): accept length {result['accept_length']} (pooled over requests), "
         f"{result['output_tokens_per_s']} output tok/s with the draft, "
         f"{result['baseline_output_tokens_per_s']} without ({result['speedup']}x)",
         markup=False,

@@ -3,47 +3,141 @@
 The output is exactly the target's greedy output (verification keeps only tokens the
 target would have chosen, plus the target's own next token), so the loop is lossless;
 what it measures is how many tokens each target forward yields: the acceptance length.
+
+Both sides keep caches, so that a round costs what it costs when served: the target forwards
+only the last accepted token and the K drafts on its KV cache (the rejected drafts are cropped
+off after), and the draft runs its step 0 only at the positions accepted since its last proposal
+(the keys and values of the earlier ones are kept) and its chain steps only at the last position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import inspect
+from collections.abc import Callable, Collection, Sequence
 
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, GenerationConfig
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from pipeline.steps.eagle3.model import Eagle3Draft, StepCache, aux_layer_ids
+from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TargetCache:
+    """The target's KV cache of the tokens decoded so far, and the forwards that extend it."""
+
+    def __init__(self, target, layer_ids: list[int], device: torch.device):
+        self.target = target
+        self.layer_ids = layer_ids
+        self.device = device  # the draft's: the features are its input
+        self.cache = DynamicCache()
+        parameters = inspect.signature(target.forward).parameters
+        # transformers 5.25 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns).
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.last_logits_only = "logits_to_keep" in parameters
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], *, last_only: bool = False) -> tuple[list[int], torch.Tensor]:
+        """The target's greedy token after each of ``tokens`` (only the last one with ``last_only``:
+        a prompt's logits are a vocabulary wide each) and their features; ``tokens`` join the cache."""
+        first = self.target.get_input_embeddings().weight.device
+        kwargs = {self.cache_argument: self.cache, "use_cache": True, "output_hidden_states": True}
+        if last_only and self.last_logits_only:
+            kwargs["logits_to_keep"] = 1
+        out = self.target(input_ids=torch.tensor([tokens], device=first), **kwargs)
+        features = torch.cat([out.hidden_states[i + 1].to(self.device) for i in self.layer_ids], dim=-1)
+        return out.logits[0].argmax(-1).tolist(), features
+
+    def keep(self, length: int) -> None:
+        """Forget every token after the first ``length`` (the drafts the target rejected)."""
+        # transformers 5.25's crop takes the count to remove, negative; it refuses a length.
+        self.cache.crop(length - self.cache.get_seq_length())
+
+
+class DraftCache:
+    """The draft's step-0 keys and values (1, KV heads, positions, head dim) at the positions it
+    has proposed from: a position's step 0 depends only on its token and its target feature."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's keys and values, with those of the positions after the kept ones."""
+        if self.keys is not None:
+            keys = torch.cat([self.keys, keys], dim=-2)
+            values = torch.cat([self.values, values], dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def _layer(
+    draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """The draft's decoder layer (``model.DraftDecoderLayer``) at ``positions`` (1, T) only:
+    ``attend(q, k, v)`` gives the queries' attention, these positions' keys and values among those
+    it sees. One TTT step at these positions, as ``draft.step`` computes it."""
+    layer, attention, config = draft.midlayer, draft.midlayer.self_attn, draft.config
+    T = tokens.shape[1]
+    embeds = layer.input_layernorm(draft.embed_tokens(tokens))
+    x = torch.cat([embeds, layer.hidden_norm(hidden)], dim=-1)
+    q = attention.q_proj(x).view(1, T, config.num_attention_heads, config.head_dim).transpose(1, 2)
+    k = attention.k_proj(x).view(1, T, config.num_key_value_heads, config.head_dim).transpose(1, 2)
+    v = attention.v_proj(x).view(1, T, config.num_key_value_heads, config.head_dim).transpose(1, 2)
+    cos, sin = draft.rotary(hidden, positions)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    out = attend(q, k, v).transpose(1, 2).reshape(1, T, -1)
+    hidden = hidden + attention.o_proj(out)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _draft_token(draft: Eagle3Draft, hidden: torch.Tensor) -> int:
+    return int(draft.draft_to_target(draft.logits(hidden[:, -1]).argmax(-1)))
 
 
 @torch.no_grad()
-def _target_pass(target, ids: list[int], layer_ids: list[int], device: torch.device):
-    """The target's greedy tokens after each of ``ids`` and its features, on ``device`` (the draft's)."""
-    first = target.get_input_embeddings().weight.device
-    out = target(input_ids=torch.tensor([ids], device=first), output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
-    return out.logits[0].argmax(-1).tolist(), features
+def propose(
+    draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int, cache: DraftCache | None = None
+) -> list[int]:
+    """K draft tokens (target ids) continuing ``ids``; ``features`` covers the positions of
+    ``ids[:-1]`` that ``cache`` does not hold yet (all of them without a cache), which join it.
 
-
-@torch.no_grad()
-def propose(draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int) -> list[int]:
-    """K draft tokens (target ids) continuing ``ids``; ``features`` covers ``ids[:-1]``.
-
-    Step 0 runs over every position with its real target feature; step j runs the chain
-    built on the last position, whose key/value pairs are the only step-j ones it sees,
-    exactly as in training-time test.
+    Step 0 runs at those positions, each attending causally to the step-0 keys at positions up to
+    its own; step j runs only at the last position p, at p + j, attending to every step-0 key and
+    to its own chain's keys of steps 1..j: what training-time test computes at p.
     """
-    n = len(ids) - 1
+    if k == 0:
+        return []
+    cache = DraftCache() if cache is None else cache
+    start, n = len(cache), len(ids) - 1
     device = features.device
-    tokens = torch.tensor([ids[1:]], device=device)
-    positions = torch.arange(n, device=device)[None]
-    cache = StepCache.empty()
-    hidden = draft.project(features[:, :n])
-    proposals: list[int] = []
-    for j in range(k):
-        hidden = draft.step(tokens, hidden, positions + j, cache)
-        token = int(draft.draft_to_target(draft.logits(hidden[:, -1]).argmax(-1)))
-        proposals.append(token)
-        tokens = tokens.clone()
-        tokens[0, -1] = token
+    positions = torch.arange(start, n, device=device)[None]
+    seen = torch.ones(n - start, n, dtype=torch.bool, device=device).tril(start)
+
+    def causal(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        keys, values = cache.extend(key, value)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
+
+    tokens = torch.tensor([ids[start + 1 :]], device=device)
+    hidden = _layer(draft, tokens, draft.project(features), positions, causal)[:, -1:]
+    chain_keys, chain_values = [cache.keys], [cache.values]
+
+    def chained(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        chain_keys.append(key)
+        chain_values.append(value)
+        keys, values = torch.cat(chain_keys, dim=-2), torch.cat(chain_values, dim=-2)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    proposals = [_draft_token(draft, hidden)]
+    for j in range(1, k):
+        token = torch.tensor([[proposals[-1]]], device=device)
+        hidden = _layer(draft, token, hidden, positions[:, -1:] + j, chained)
+        proposals.append(_draft_token(draft, hidden))
     return proposals
 
 
@@ -58,35 +152,63 @@ def eos_ids_of(target) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def _kept(drafts: list[int], argmax: list[int], eos_ids: Collection[int]) -> list[int]:
+    """The drafts the target agrees with, then its own next token; ``argmax[i]`` is its token after
+    the i-th token it verified (the last accepted one, then the drafts)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        if drafts[accepted] in eos_ids:
+            break
+        accepted += 1
+    new = drafts[:accepted] + [argmax[accepted]]
+    end = next((i for i, token in enumerate(new) if token in eos_ids), None)
+    return new if end is None else new[: end + 1]
+
+
 @torch.no_grad()
 def speculative_generate(
     target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> tuple[list[int], list[int]]:
     """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
-    layer_ids = aux_layer_ids(draft.config)
-    device = draft.fc.weight.device
-    argmax, features = _target_pass(target, prompt, layer_ids, device)
+    verifier = TargetCache(target, aux_layer_ids(draft.config), draft.fc.weight.device)
+    argmax, features = verifier.forward(prompt, last_only=True)
     ids = prompt + [argmax[-1]]
     generated = [argmax[-1]]
+    drafted = DraftCache()
     per_forward: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
-        drafts = propose(draft, ids, features, k)
-        argmax, features = _target_pass(target, ids + drafts, layer_ids, device)
-        base = len(ids) - 1  # the target's prediction after ids[-1]
-        accepted = 0
-        while accepted < k and drafts[accepted] == argmax[base + accepted]:
-            if drafts[accepted] in eos_ids:
-                break
-            accepted += 1
-        new = drafts[:accepted] + [argmax[base + accepted]]
-        end = next((i for i, token in enumerate(new) if token in eos_ids), None)
-        if end is not None:
-            new = new[: end + 1]
-        new = new[: max_new_tokens - len(generated)]
+        drafts = propose(draft, ids, features, k, cache=drafted)
+        argmax, features = verifier.forward([ids[-1], *drafts])
+        new = _kept(drafts, argmax, eos_ids)[: max_new_tokens - len(generated)]
         per_forward.append(len(new))
         ids += new
         generated += new
+        verifier.keep(len(ids) - 1)
+        # The features of the last accepted token and the drafts kept: the next proposal's new positions.
+        features = features[:, : len(new)]
     return generated, per_forward
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> list[int]:
+    """The target's own ``generate``, greedy: what speculative decoding must equal token for token,
+    and the speed it must beat."""
+    tokens = torch.tensor([prompt], device=target.get_input_embeddings().weight.device)
+    pad = target.generation_config.pad_token_id
+    plain = GenerationConfig(
+        eos_token_id=sorted(eos_ids) or None, pad_token_id=pad if pad is not None else min(eos_ids, default=0)
+    )
+    # Plain greedy: generate fills what it is not told from the model's own generation config, which
+    # may sample or penalise repeats (the verification, like any greedy serving, does neither).
+    own, target.generation_config = target.generation_config, plain
+    try:
+        # An explicit mask: generate would otherwise take a prompt token equal to the pad id for padding.
+        out = target.generate(
+            tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    finally:
+        target.generation_config = own
+    return out[0, len(prompt) :].tolist()
 
 
 def prompt_of(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:

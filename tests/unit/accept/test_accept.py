@@ -26,6 +26,7 @@ from pipeline.cli import app
 from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
 from pipeline.steps.accept import measure
 from pipeline.steps.accept.measure import Settings, _server_run
+from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.generate.client import Retry
@@ -164,6 +165,44 @@ def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(t
     # one warm-up, then the four prompts; two answers of "not now" sent again
     assert server.calls.count("/generate") == 5 + 2
     assert run["output_tokens"] == 120 and run["verify_forwards"] == 48 and run["accept_length"] == 2.5
+
+
+def test_chain_accept_length_is_pooled_over_requests_against_the_targets_own_generate(
+    run_inputs, tmp_path, monkeypatch, capsys
+):
+    """Completion tokens over verifying forwards of all the requests together (SGLang's and vLLM's
+    count, not a mean of per-request means), the acceptance rate at each draft position, and a
+    baseline that is the target's own greedy ``generate``, which the speculative tokens equal."""
+    yielded: list[list[int]] = []
+    generated: list[list[int]] = []
+    real_speculative, real_generate = decoding.speculative_generate, decoding.greedy_generate
+
+    def speculative(*args):
+        tokens, per_forward = real_speculative(*args)
+        yielded.append(per_forward)
+        return tokens, per_forward
+
+    def greedy(*args):
+        generated.append(real_generate(*args))
+        return generated[-1]
+
+    monkeypatch.setattr(decoding, "speculative_generate", speculative)
+    monkeypatch.setattr(decoding, "greedy_generate", greedy)
+    settings = _sglang_settings(run_inputs, engine="chain", max_new_tokens=12)
+    assert measure.run_accept(settings, tmp_path) == 0
+    report = json.loads((tmp_path / "accept.json").read_text())
+    measured, timed = yielded[1:], generated[1:]  # the first of each is the warm-up
+    assert len(measured) == len(timed) == report["prompts"] == 3
+    forwards = sum(len(per_forward) for per_forward in measured)
+    assert report["speculative"]["verify_forwards"] == forwards
+    # Each request's first token comes from its prompt's forward: a completion token, not a verifying forward.
+    assert report["accept_length"] == round((sum(map(sum, measured)) + len(measured)) / forwards, 3)
+    assert report["accept_length"] == round(report["speculative"]["output_tokens"] / forwards, 3)
+    assert report["accept_length_is"].startswith("pooled over requests")
+    assert "pooled over requests" in capsys.readouterr().err
+    assert report["baseline"]["output_tokens"] == sum(map(len, timed))
+    rates = report["acceptance_rate_per_position"]
+    assert len(rates) == 3 and all(0 <= r <= 1 for r in rates) and rates == sorted(rates, reverse=True)
 
 
 def test_accept_records_the_speculation_sglang_runs(run_inputs, served, tmp_path, capsys):

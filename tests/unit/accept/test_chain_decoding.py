@@ -1,0 +1,142 @@
+"""The chain decoder on its caches against the loop without any: the same tokens and the same tokens
+per verifying forward; each forward runs only the new tokens; the baseline is the target's greedy
+``generate``. On tiny random targets, whose vocabulary is small enough that an untrained draft is
+right often enough for every accept count 0..K to occur."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.steps.accept.measure import acceptance_rates
+from pipeline.steps.eagle3.decoding import greedy_generate, speculative_generate
+from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids, draft_config, vocab_map
+
+
+def _target(vocab: int, seed: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _draft(target, seed: int) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    vocab = target.config.vocab_size
+    d2t, t2d = vocab_map(torch.arange(vocab).flip(0), vocab)
+    draft = Eagle3Draft(draft_config(target.config, vocab, [0, 1, 2]))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        for p in draft.parameters():  # random init is too close to uniform to tell logits apart
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return draft.eval()
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(2, vocab, (length,), generator=generator).tolist() for length in (5, 8, 11)]
+
+
+@torch.no_grad()
+def uncached_propose(draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int) -> list[int]:
+    """The chain as training-time test computes it, the whole sequence again at every depth;
+    ``features`` covers ``ids[:-1]``."""
+    n = len(ids) - 1
+    padded = torch.cat([features[:, :n], features.new_zeros(1, k - 1, features.shape[-1])], dim=1)
+    drafts: list[int] = []
+    for depth in range(k):
+        # Step ``depth`` at the last position p reads the token at p + depth: the previous draft.
+        tokens = torch.tensor([ids[1:] + drafts + [0] * (k - 1 - depth)])
+        out = draft(tokens, padded, depth + 1)[depth]
+        drafts.append(int(draft.draft_to_target(draft.logits(out[:, n - 1]).argmax(-1))))
+    return drafts
+
+
+@torch.no_grad()
+def uncached_generate(target, draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids=frozenset()):
+    """The loop without caches: the target recomputes the whole sequence at every forward."""
+    layer_ids = aux_layer_ids(draft.config)
+
+    def whole(ids: list[int]):
+        out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return out.logits[0].argmax(-1).tolist(), features
+
+    argmax, features = whole(prompt)
+    ids, generated, per_forward = prompt + [argmax[-1]], [argmax[-1]], []
+    while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
+        drafts = uncached_propose(draft, ids, features, k)
+        argmax, features = whole(ids + drafts)
+        base, accepted = len(ids) - 1, 0
+        while (
+            accepted < k and drafts[accepted] == argmax[base + accepted] and drafts[accepted] not in eos_ids
+        ):
+            accepted += 1
+        new = (drafts[:accepted] + [argmax[base + accepted]])[: max_new_tokens - len(generated)]
+        per_forward.append(len(new))
+        ids += new
+        generated += new
+    return generated, per_forward
+
+
+@pytest.mark.parametrize(
+    ("vocab", "target_seed", "draft_seed", "k"), [(4, 1, 2, 3), (6, 0, 0, 4), (6, 0, 1, 1)]
+)
+def test_the_cached_loop_gives_the_uncached_loops_tokens_and_accept_counts(vocab, target_seed, draft_seed, k):
+    target = _target(vocab, target_seed)
+    draft = _draft(target, draft_seed)
+    counts = collections.Counter()
+    for prompt in _prompts(vocab):
+        cached = speculative_generate(target, draft, prompt, k, 40, frozenset())
+        assert cached == uncached_generate(target, draft, prompt, k, 40)
+        counts.update(cached[1])
+    if (vocab, target_seed, draft_seed) == (4, 1, 2):
+        # Every accept count 0..K occurred: the draft's cache grew by each of 1..K+1 positions.
+        assert set(counts) == set(range(1, k + 2)), counts
+
+
+def test_a_verifying_forward_runs_only_the_new_tokens_on_both_caches():
+    """The target forwards the last accepted token and the K drafts; the draft runs step 0 only at
+    the positions accepted since its last proposal, and each chain step at one position."""
+    target, k = _target(4, 1), 3
+    draft = _draft(target, 2)
+    seen = collections.defaultdict(list)
+    hooked = {
+        "target": target.model.embed_tokens,
+        "step0": draft.fc,
+        "query": draft.midlayer.self_attn.q_proj,
+    }
+    for name, module in hooked.items():
+        module.register_forward_pre_hook(lambda _module, args, name=name: seen[name].append(args[0].shape[1]))
+    prompt = _prompts(4)[2]
+    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    assert max(per_forward) > 1  # some drafts were accepted, so rounds add more than one position
+    assert seen["target"] == [len(prompt)] + [k + 1] * len(per_forward)
+    assert seen["step0"] == [len(prompt)] + per_forward[:-1]
+    assert seen["query"] == [n for new in seen["step0"] for n in [new] + [1] * (k - 1)]
+
+
+def test_the_baseline_is_the_targets_plain_greedy_generate_whatever_its_generation_config_says():
+    target = _target(6, 0)
+    draft = _draft(target, 0)
+    prompt = _prompts(6)[1]
+    own = target.generation_config
+    own.do_sample, own.temperature, own.repetition_penalty = True, 0.7, 1.5
+    expected, _ = uncached_generate(target, draft, prompt, 1, 30, frozenset({1}))
+    assert greedy_generate(target, prompt, 30, {1}) == expected
+    assert speculative_generate(target, draft, prompt, 4, 30, {1})[0] == expected
+    assert target.generation_config is own
+
+
+def test_acceptance_rate_per_position_is_the_share_of_forwards_that_kept_that_draft():
+    # Tokens yielded per verifying forward with K = 3: 1 is no draft kept, 4 all three.
+    assert acceptance_rates([1, 4, 2, 3], 3) == [0.75, 0.5, 0.25]
+    assert acceptance_rates([1, 1], 2) == [0.0, 0.0]
