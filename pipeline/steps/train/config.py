@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 from pipeline.steps.train.placement import Placement
@@ -48,7 +48,10 @@ class TrainConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps (overrides epochs; 0: by epochs)."""
     batch_size: int = Field(1, ge=1)
-    """Rows per process per step."""
+    """Rows per process per step (with --batch-tokens: 1)."""
+    batch_tokens: int | None = Field(None, ge=3)
+    """Tokens per process per step, padding included: each step takes as many rows as fit, a row
+    longer than this cut to it; the placement is planned for it (0: --batch-size rows)."""
     max_length: int = Field(MAX_LENGTH, ge=3)  # rows shorter than 3 tokens have nothing to train on
     """Rows are cut to this many tokens."""
     seed: int = 0
@@ -88,3 +91,19 @@ class TrainConfig(BaseModel):
     @classmethod
     def _zero_is_by_epochs(cls, value: object) -> object:
         return None if value == 0 else value
+
+    @field_validator("batch_tokens", mode="before")
+    @classmethod
+    def _zero_is_by_rows(cls, value: object) -> object:
+        return None if value in (0, "0") else value
+
+    @model_validator(mode="after")
+    def _one_batch_measure(self) -> TrainConfig:
+        if self.batch_tokens is not None and self.batch_size != 1:
+            raise ValueError("give --batch-size (rows) or --batch-tokens (a token budget), not both")
+        return self
+
+    @property
+    def row_limit(self) -> int:
+        """Rows are cut to this many tokens: --max-length, or the token budget where it is smaller."""
+        return min(self.max_length, self.batch_tokens or self.max_length)

@@ -1,8 +1,9 @@
 """Training's batches: the rows (``steps/shards.py``) padded into batches, in an order that is a
 pure function of (seed, epoch).
 
-Because the order is reproducible, the data position after a resume is just the optimizer step
-count: no iterator state needs saving.
+A batch is ``batch_size`` rows, or, with a token budget, as many rows as fit it padded: a 30k-token
+row alone, a hundred rows of 300 together. Because the order is reproducible, the data position
+after a resume is just the optimizer step count: no iterator state needs saving.
 """
 
 from __future__ import annotations
@@ -54,6 +55,61 @@ def batch_at(rows: Sequence[Example], step: int, batch_size: int, seed: int, ran
     order = epoch_order(len(rows), seed, epoch)
     start = index * batch_size * world + rank * batch_size
     return [rows[i] for i in order[start : start + batch_size]]
+
+
+def token_batches(lengths: Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
+    """The rows of ``order`` in consecutive batches, each as many as fit ``budget`` tokens padded to
+    its widest row (a row longer than the budget alone)."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    widest = 0
+    for index in order:
+        wider = max(widest, lengths[index])
+        if batch and wider * (len(batch) + 1) > budget:
+            batches.append(batch)
+            batch, wider = [], lengths[index]
+        batch.append(index)
+        widest = wider
+    return batches + [batch] if batch else batches
+
+
+class TokenBatches:
+    """Batches of rows up to a token budget, laid out once (in the seed's order of the rows) and
+    taken in a new order of the batches each epoch, so every epoch has as many steps."""
+
+    def __init__(self, rows: Sequence[Example], budget: int, seed: int, world: int):
+        lengths = [len(row.input_ids) for row in rows]
+        self.rows, self.seed, self.world = rows, seed, world
+        self.batches = token_batches(lengths, epoch_order(len(rows), seed, 0), budget)
+        if len(self.batches) < world:
+            raise ValueError(
+                f"{len(rows)} training rows make {len(self.batches)} batch(es) of at most {budget} tokens, "
+                f"fewer than one optimizer step takes ({world} processes): lower --batch-tokens or --nproc, "
+                "or give more data"
+            )
+
+    def steps_per_epoch(self) -> int:
+        return len(self.batches) // self.world
+
+    def at(self, step: int, rank: int) -> list[Example]:
+        """The rows rank ``rank`` trains on at global step ``step``."""
+        epoch, index = divmod(step, self.steps_per_epoch())
+        order = epoch_order(len(self.batches), self.seed, epoch)
+        return [self.rows[i] for i in self.batches[order[index * self.world + rank]]]
+
+
+class RowBatches:
+    """Batches of ``batch_size`` rows: a new order of the rows each epoch."""
+
+    def __init__(self, rows: Sequence[Example], batch_size: int, seed: int, world: int):
+        self.rows, self.batch_size, self.seed, self.world = rows, batch_size, seed, world
+        self.per_epoch = steps_per_epoch(len(rows), batch_size, world)
+
+    def steps_per_epoch(self) -> int:
+        return self.per_epoch
+
+    def at(self, step: int, rank: int) -> list[Example]:
+        return batch_at(self.rows, step, self.batch_size, self.seed, rank, self.world)
 
 
 def steps_per_epoch(n_rows: int, batch_size: int, world: int) -> int:

@@ -66,12 +66,14 @@ class TeacherHead:
     def __call__(self, last: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher, in_draft_vocab) on ``device`` for ``last`` (B, T, H), the final norm's output."""
         head_device = self.kept.device
+        rows, width = last.shape[:2]
+        flat = last.reshape(rows * width, -1)  # a chunk is positions of any row: many short rows alike
         teacher, in_vocab = [], []
-        for start in range(0, last.shape[1], self.chunk):
-            logits = self.lm_head(last[:, start : start + self.chunk].to(head_device)).float()
+        for start in range(0, flat.shape[0], self.chunk):
+            logits = self.lm_head(flat[start : start + self.chunk].to(head_device)).float()
             teacher.append(logits[..., self.kept].to(device))
             in_vocab.append(self.t2d[logits.argmax(-1)].to(device))
-        return torch.cat(teacher, dim=1), torch.cat(in_vocab, dim=1)
+        return torch.cat(teacher).unflatten(0, (rows, width)), torch.cat(in_vocab).unflatten(0, (rows, width))
 
 
 class OnlineTarget:

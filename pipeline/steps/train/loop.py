@@ -36,7 +36,7 @@ from pipeline.steps.shards import Rows, load_shards, split_heldout
 from pipeline.steps.target import load_head, load_model, target_config, weights_key
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.config import TrainConfig
-from pipeline.steps.train.data import batch_at, collate, steps_per_epoch, token_counts
+from pipeline.steps.train.data import RowBatches, TokenBatches, collate, token_counts
 from pipeline.steps.train.features import (
     LOGITS_CHUNK,
     FeatureSource,
@@ -88,15 +88,17 @@ class DraftLoss(nn.Module):
         return total, stats
 
     def _chunked_loss(self, out, teacher, mask):
-        """Loss over the draft vocabulary a chunk of positions at a time, logits recomputed in backward."""
+        """Loss over the draft vocabulary ``chunk`` positions at a time (rows of a batch of short rows
+        together), logits recomputed in backward."""
         zero = torch.zeros((), device=out.device, dtype=torch.long)
         sums = [zero.float(), zero, zero]  # loss sum, correct argmax count, position count
-        for start in range(0, out.shape[1], self.chunk):
-            part = slice(start, start + self.chunk)
-            chunk = checkpoint(
-                self._chunk, out[:, part], teacher[:, part], mask[:, part], use_reentrant=False
-            )
-            sums = [a + b for a, b in zip(sums, chunk, strict=True)]
+        width = max(1, min(out.shape[1], self.chunk))
+        rows = max(1, self.chunk // width)
+        for first in range(0, out.shape[0], rows):
+            for start in range(0, out.shape[1], width):
+                part = (slice(first, first + rows), slice(start, start + width))
+                chunk = checkpoint(self._chunk, out[part], teacher[part], mask[part], use_reentrant=False)
+                sums = [a + b for a, b in zip(sums, chunk, strict=True)]
         return tuple(sums)
 
     def _chunk(self, out, teacher, mask):
@@ -185,7 +187,7 @@ def other_trainings(folder: Path, settings: dict) -> list[str]:
 
 def rows_file(cfg: TrainConfig) -> Path:
     """The memory-mapped rows of these shards at this length (other shards or lengths get another file)."""
-    payload = {"data": _files_key(cfg.data, "*.parquet"), "max_length": cfg.max_length}
+    payload = {"data": _files_key(cfg.data, "*.parquet"), "max_length": cfg.row_limit}
     return cfg.out_dir / "rows" / f"{_digest(payload)}.arrow"
 
 
@@ -194,7 +196,7 @@ def features_folder(cfg: TrainConfig, layer_ids: list[int], dtype: torch.dtype) 
     payload = {
         "target": weights_key(cfg.target),
         "data": _files_key(cfg.data, "*.parquet"),
-        "max_length": cfg.max_length,
+        "max_length": cfg.row_limit,
         "layer_ids": layer_ids,
         "dtype": str(dtype),
     }
@@ -268,14 +270,15 @@ def plan_for(
 ) -> Plan:
     """The placement plan of this training: the target's modules, the draft's needs, the devices.
 
-    Batches are sized at their widest: ``batch_size`` rows of the ``longest`` row's length.
+    Batches are sized at their widest: the token budget, or ``batch_size`` rows of the ``longest``
+    row's length.
     """
-    batch_tokens = cfg.batch_size * longest
+    batch_tokens = cfg.batch_tokens or cfg.batch_size * longest
     vocab = draft.config.draft_vocab_size
     units = target_units(
         config,
         dtype,
-        cfg.batch_size,
+        math.ceil(batch_tokens / longest),
         longest,
         vocab,
         LOGITS_CHUNK,
@@ -302,7 +305,7 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     dtype = dtype_of(precision)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     try:
-        rows = load_shards(cfg.data, cfg.max_length, rows_file(cfg))
+        rows = load_shards(cfg.data, cfg.row_limit, rows_file(cfg))
     except (ValueError, FileNotFoundError) as exc:  # shards it cannot read
         raise TrainingInputError(str(exc)) from None
     train_rows, heldout = split_heldout(rows, cfg.heldout_fraction)
@@ -474,9 +477,13 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     device = torch.device(setup.plan.draft_device)
 
     try:
-        per_epoch = steps_per_epoch(len(train_rows), cfg.batch_size, world)
+        if cfg.batch_tokens:
+            batches = TokenBatches(train_rows, cfg.batch_tokens, cfg.seed, world)
+        else:
+            batches = RowBatches(train_rows, cfg.batch_size, cfg.seed, world)
     except ValueError as exc:
         raise TrainingInputError(str(exc)) from None
+    per_epoch = batches.steps_per_epoch()
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
     warmup = max(1, round(cfg.warmup_ratio * total))
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -491,7 +498,7 @@ def train(cfg: TrainConfig, log=_log, devices: list[Device] | None = None) -> di
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
     started, tokens_seen, last = time.monotonic(), 0, {}
     for step in range(start, total):
-        batch = collate(batch_at(train_rows, step, cfg.batch_size, cfg.seed, rank, world), setup.pad_id)
+        batch = collate(batches.at(step, rank), setup.pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast(setup.precision, device.type):
             teacher = source(batch["input_ids"], batch["attention_mask"])

@@ -212,7 +212,7 @@ def target_units(
     ``capability``, default this process's GPU's, raises ``HeldFormatError``).
 
     A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
-    keeps; ``logits_chunk`` positions a row of full-vocabulary logits, and the teacher over the draft
+    keeps; ``logits_chunk`` positions of full-vocabulary logits, and the teacher over the draft
     vocabulary, sit on the lm_head's device.
     """
     import torch
@@ -252,7 +252,7 @@ def target_units(
             units += [unit(f"{module}.{i}", layer, hidden) for i, layer in enumerate(child)]
         else:
             units.append(unit(module, child, hidden if name in ("embed_tokens", "norm") else 0))
-    logits = batch_size * min(logits_chunk, length) * text.vocab_size * (element + 4)
+    logits = min(logits_chunk, batch_tokens) * text.vocab_size * (element + 4)
     logits += batch_tokens * draft_vocab * 4
     heads = [Unit(name, sizes.get(name, 0), logits) for name, _ in model.named_children() if name != base]
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
@@ -280,13 +280,14 @@ def draft_activations(
     from pipeline.steps.eagle3.attention import QUERY_CHUNK  # torch: this module stays light
 
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    hidden, rows = config.hidden_size, max(1, batch_tokens // length)
+    hidden = config.hidden_size
     layer = 9 * hidden + 4 * config.intermediate_size + 4 * heads * head_dim + 2 * heads
     carried = hidden + 2 * kv_heads * head_dim  # the step's output, keys and values
     step_bytes = (carried + (0 if recompute else layer)) * _ACT_BYTES + _STEP_INDEX_BYTES
     kept = ttt_steps * batch_tokens * step_bytes
-    attention = 3 * rows * heads * min(QUERY_CHUNK, length) * length * _ACT_BYTES
-    loss = 3 * rows * min(loss_chunk, length) * config.draft_vocab_size * _ACT_BYTES
+    # A batch's rows together span at most batch_tokens: one chunk of queries against each row's keys.
+    attention = 3 * heads * min(QUERY_CHUNK, length) * batch_tokens * _ACT_BYTES
+    loss = 3 * min(loss_chunk, batch_tokens) * config.draft_vocab_size * _ACT_BYTES
     recomputed = batch_tokens * layer * _ACT_BYTES if recompute else 0
     return kept, recomputed + attention + loss
 

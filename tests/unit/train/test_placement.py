@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
+from benchmarks.train_long import allocator_bytes
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
 from pipeline.steps.train.features import TargetBatch
 from pipeline.steps.train.loop import DraftLoss
@@ -202,28 +203,13 @@ def test_without_gpus_auto_says_what_it_picked_and_why():
     assert "fits this process's memory (no GPU) next to the draft" in result.describe()[0]
 
 
-def allocator_bytes(run) -> tuple[int, int]:
-    """(held after, peak during) ``run``: what the CPU allocator hands out and has not taken back,
-    from the profiler's record of every allocation and free."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        run()
-    events = recorded.profiler.kineto_results.events()
-    held = peak = 0
-    for _, change in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        held += change  # an allocation's bytes, or minus a free's
-        peak = max(peak, held)
-    return held, peak
-
-
 SMALL_TARGET = LlamaConfig(
     vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=4,
 )  # fmt: skip
 
 
-def training_step(length: int, steps: int, recompute: bool, batch: int = 1):
+def training_step(length: int, steps: int, recompute: bool, batch: int = 1, loss_chunk: int = 512):
     """The draft, and a function running its loss's forward (``backward=False``) or also the backward."""
     draft = Eagle3Draft(draft_config(SMALL_TARGET, 256, [1, 3, 4]))
     ids = torch.randint(0, 1024, (batch, length))
@@ -232,7 +218,7 @@ def training_step(length: int, steps: int, recompute: bool, batch: int = 1):
         torch.randn(batch, length, 256),
         torch.ones(batch, length, dtype=torch.bool),
     )
-    module = DraftLoss(draft, steps, 0.8, 512, recompute)
+    module = DraftLoss(draft, steps, 0.8, loss_chunk, recompute)
 
     def run(backward: bool):
         loss, _ = module(ids, ids >= 0, inputs)
@@ -278,3 +264,14 @@ def test_a_tied_lm_head_goes_with_the_embedding_and_offline_holds_its_copy():
     assert sum(u.weights for u in units) == parameters_bytes(tied)  # the shared weight counted once
     result = plan("offline", units, gpus(1, 80), draft_of(tied), world=1)
     assert result.shares[0].weights == units[0].weights  # training holds the lm_head as its own tensor
+
+
+@pytest.mark.parametrize(("rows", "length"), [(1, 2048), (16, 128)], ids=["one long row", "many short rows"])
+def test_one_long_row_and_many_short_ones_both_fit_a_token_budgets_plan(rows, length):
+    """The plan of a 2048-token budget holds one row of 2048 and sixteen rows of 128 alike: the
+    loss and the attention chunk over the batch's tokens, not over each row."""
+    draft, run = training_step(length, 3, recompute=True, batch=rows, loss_chunk=256)
+    _, peak = allocator_bytes(lambda: run(backward=True))
+    kept, transient = draft_activations(draft.config, 2048, 2048, 3, 256, True)
+    trained = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert peak <= kept + transient + 4 * trained  # the gradients are made in the step

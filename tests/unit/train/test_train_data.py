@@ -20,7 +20,14 @@ from pipeline.run.step_contract import EXIT_BAD_INPUT
 from pipeline.steps import shards as shards_module
 from pipeline.steps.shards import ROWS_SCHEMA, Example, load_shards, split_heldout
 from pipeline.steps.train.cli import train_command
-from pipeline.steps.train.data import batch_at, collate, steps_per_epoch, token_counts
+from pipeline.steps.train.data import (
+    TokenBatches,
+    batch_at,
+    collate,
+    steps_per_epoch,
+    token_batches,
+    token_counts,
+)
 from pipeline.steps.train.loop import TrainConfig, rows_file
 
 
@@ -298,3 +305,49 @@ def test_ranks_that_start_together_convert_once_and_map_the_same_file(tmp_path):
     said = [rank.communicate(timeout=240)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0] * 4
     assert said == [f"[{mapped.stat().st_ino}] 2000\n"] * 4
+
+
+def rows_of_lengths(lengths: list[int]) -> list[Example]:
+    return [Example(list(range(n)), [0] + [1] * (n - 1), "") for n in lengths]
+
+
+def test_token_batches_take_as_many_rows_as_fit_the_budget_padded():
+    # A 30k-token row goes alone; a hundred rows of 300 go together, padded to their widest.
+    lengths = [300] * 150 + [30_000] + [280] * 10
+    batches = token_batches(lengths, list(range(len(lengths))), 32_768)
+    assert [len(b) for b in batches] == [109, 41, 1, 10]
+    for batch in batches:
+        assert max(lengths[i] for i in batch) * len(batch) <= 32_768
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    # A row longer than the budget still goes, alone (training cuts rows to it before).
+    assert token_batches([10, 50, 10], [0, 1, 2], 40) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_gets_its_own_token_batch_and_every_row_once_an_epoch(world):
+    data = rows_of_lengths([3 + (i * 7) % 40 for i in range(60)])
+    batches = TokenBatches(data, 64, seed=5, world=world)
+    per_epoch = batches.steps_per_epoch()
+    for epoch in range(2):
+        seen = []
+        for step in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+            taken = [batches.at(step, rank) for rank in range(world)]
+            assert all(max(len(r.input_ids) for r in batch) * len(batch) <= 64 for batch in taken)
+            seen += [id(row) for batch in taken for row in batch]
+        assert len(set(seen)) == len(seen)  # no row twice in an epoch
+        assert len(seen) >= len(data) - 64  # at most the batches left over by the world size are skipped
+
+
+def test_too_few_token_batches_for_the_processes_is_an_error():
+    with pytest.raises(
+        ValueError, match=r"make 1 batch\(es\) of at most 64 tokens, fewer than one optimizer step"
+    ):
+        TokenBatches(rows_of_lengths([5, 5, 5]), 64, seed=0, world=2)
+
+
+def test_a_token_budget_and_a_row_count_are_not_given_together():
+    with pytest.raises(ValueError, match="give --batch-size .* or --batch-tokens .*, not both"):
+        TrainConfig(data=Path("d"), target=Path("t"), batch_size=2, batch_tokens=4096)
+    config = TrainConfig(data=Path("d"), target=Path("t"), batch_tokens=1024, max_length=4096)
+    assert config.row_limit == 1024  # rows longer than the budget are cut to it
+    assert TrainConfig(data=Path("d"), target=Path("t"), batch_tokens=0).batch_tokens is None

@@ -129,6 +129,21 @@ def test_torchrun_two_processes_gloo(small_run):
     assert ok, why
 
 
+def test_a_token_budget_trains(small_run):
+    """--batch-tokens 64 over rows of 24-39 tokens: a step takes the rows that fit 64 tokens padded
+    (one or two), and the settings the checkpoints are keyed by say so."""
+    step = small_run["root"] / "by-tokens"
+    argv = _train_argv(small_run, step, "--max-steps", "4")
+    at = argv.index("--batch-size")
+    argv[at : at + 2] = ["--batch-tokens", "64"]
+    done = _run(argv, step)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((step / "eval.json").read_text())
+    assert report["optimizer_steps"] == 4
+    settings = json.loads(next((step / "checkpoints").glob("*/settings.json")).read_text())
+    assert settings["config"]["batch_tokens"] == 64 and settings["config"]["batch_size"] == 1
+
+
 def test_missing_input_is_a_one_line_error(small_run, tmp_path):
     done = _run(
         [*EYRIE, "train", "--data", str(tmp_path / "nope"), "--target", str(small_run["target"])], tmp_path
