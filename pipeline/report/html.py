@@ -149,7 +149,8 @@ def _not_run_table(ledger: Ledger, run: dict) -> str:
     return f"<h3>Steps that did not run</h3><table>{head}{rows}</table>"
 
 
-# What a step that measured a draft (``eyrie accept``) keeps in its manifest's stats.
+# What a step that measured a draft (``eyrie accept``) keeps in its manifest's stats: the figures
+# of each prompt set it measured (``sets``), and those pooled over all of them.
 _ACCEPTANCE = [
     ("engine", "engine"),
     ("accept length", "accept_length"),
@@ -161,27 +162,37 @@ _ACCEPTANCE = [
 ]
 
 
+def _acceptance_row(label: str, figures: dict, stats: dict) -> str:
+    cells = []
+    for _, key in _ACCEPTANCE:
+        if key is None:
+            value = f"{stats.get('num_steps')} / {stats.get('topk')} / {stats.get('num_draft_tokens')}"
+        else:
+            value = figures.get(key, stats.get(key))
+        cells.append(f"<td>{esc('-' if value is None else str(value))}</td>")
+    return f"<tr><td>{esc(label)}</td>{''.join(cells)}</tr>"
+
+
 def acceptance_table(run_dir: Path, steps: list[str]) -> str:
-    """The draft's accept length and tokens/s, for each step whose manifest records them."""
+    """The draft's accept length and tokens/s on each prompt set, for each step whose manifest
+    records them (a manifest from before sets has its figures at the top only)."""
     rows = []
     for step in steps:
         manifest = read_manifest(run_dir / step)
         stats = manifest.stats if manifest else {}
         if "accept_length" not in stats:
             continue
-        cells = []
-        for _, key in _ACCEPTANCE:
-            value = (
-                f"{stats.get('num_steps')} / {stats.get('topk')} / {stats.get('num_draft_tokens')}"
-                if key is None
-                else stats.get(key)
-            )
-            cells.append(f"<td>{esc('-' if value is None else str(value))}</td>")
-        rows.append(f"<tr><td>{esc(step)}</td>{''.join(cells)}</tr>")
+        sets = stats.get("sets") or {}
+        rows += [_acceptance_row(f"{step}: {name}", figures, stats) for name, figures in sets.items()]
+        if len(sets) != 1:
+            rows.append(_acceptance_row(f"{step}: all sets" if sets else step, stats, stats))
     if not rows:
         return ""
     head = "".join(f"<th>{esc(name)}</th>" for name, _ in _ACCEPTANCE)
-    return f"<h2>The draft</h2><table><tr><th>step</th>{head}</tr>{''.join(rows)}</table>"
+    return (
+        "<h2>The draft</h2><p>Accept length: tokens per verifying target forward, pooled over "
+        f"requests.</p><table><tr><th>step: prompt set</th>{head}</tr>{''.join(rows)}</table>"
+    )
 
 
 def render(ledger: Ledger, run_dir: Path) -> str:

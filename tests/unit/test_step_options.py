@@ -147,9 +147,9 @@ FLAGS = {
     "--error-window --request-timeout --health-timeout --api-key-env --api-key-file --limit --out-dir",
     "tokenize": "--tokenizer --conversations --tokenized --chat-template --max-length --shard-rows --out-dir "
     "--workers --worker-memory --trust-remote-code",
-    "accept": "--draft --target --data --engine --num-steps --topk --num-draft-tokens --heldout-fraction "
-    "--max-length --prompts --max-new-tokens --concurrency --tp --startup-timeout --request-timeout "
-    "--trust-remote-code --reasoning-parser --tool-call-parser --release-target --out-dir",
+    "accept": "--draft --target --data --bench --engine --num-steps --topk --num-draft-tokens "
+    "--heldout-fraction --max-length --prompts --max-new-tokens --concurrency --tp --startup-timeout "
+    "--request-timeout --trust-remote-code --reasoning-parser --tool-call-parser --release-target --out-dir",
 }
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.steps.accept.measure import Engine, Settings
+from pipeline.steps.accept.sets import HELDOUT
 from pipeline.steps.options import Cli, Duration
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 from pipeline.steps.sglang import Parsers, Speculation
@@ -24,8 +25,11 @@ class AcceptConfig(BaseModel):
     """The exported draft (the train step's draft/)."""
     target: str
     """The target: a model folder or a hub id."""
-    data: Path
-    """The tokenize step's shards (held-out rows are the prompts)."""
+    data: Path | None = None
+    """The tokenize step's shards: their held-out rows are the 'heldout' set."""
+    bench: list[str] = []
+    """Prompt sets, each measured on its own: mtbench, humaneval (eyrie's bench extra), heldout, or a
+    FILE.jsonl of conversations ({messages|conversations: [{role, content}]}); none: heldout."""
     engine: Engine = "sglang"
     """'sglang' (serve target + draft on the GPUs) or 'chain' (CPU)."""
     num_steps: int = Field(3, ge=1)
@@ -39,7 +43,7 @@ class AcceptConfig(BaseModel):
     max_length: int = Field(MAX_LENGTH, ge=3)
     """Row length training used."""
     prompts: int = Field(64, ge=1)
-    """Held-out prompts measured."""
+    """Prompts measured per set (its first ones)."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens decoded per prompt."""
     concurrency: int = Field(16, ge=1)
@@ -57,6 +61,8 @@ class AcceptConfig(BaseModel):
 
     @model_validator(mode="after")
     def _what_the_engine_runs(self) -> AcceptConfig:
+        if self.data is None and (not self.bench or HELDOUT in self.bench):
+            raise ValueError("--data: the held-out rows are the prompts when --bench names no other set")
         if self.engine == "sglang" and self.tp < 1:
             raise ValueError(f"--tp {self.tp}: SGLang spans at least one GPU")
         if self.engine == "chain" and self.topk != 1:
@@ -72,6 +78,7 @@ class AcceptConfig(BaseModel):
             draft=self.draft,
             target=self.target,
             data=self.data,
+            bench=self.bench or [HELDOUT],
             engine=self.engine,
             speculation=Speculation(self.draft, self.num_steps, self.topk, self.num_draft_tokens),
             heldout_fraction=self.heldout_fraction,

@@ -1,11 +1,15 @@
-"""``eyrie accept``: the exported draft against its target, on the prompts training held out.
+"""``eyrie accept``: the exported draft against its target, on sets of prompts (``sets.py``): the
+rows training held out (the default), public benchmarks (MT-bench, HumanEval), or a file of the
+user's own conversations, each rendered with the target's chat template.
 
 Two measurements, one with speculation and one without, at the same batch: the accept length
 (tokens yielded per verifying target forward, pooled over requests) and the output tokens/s of
-each, so the speed-up is a ratio of wall-clock rates measured side by side.
+each, so the speed-up is a ratio of wall-clock rates measured side by side. Each set has its own
+figures (a draft may do well on one kind of prompt and badly on another); the top-level ones pool
+every set's requests.
 
 - ``sglang`` (a GPU host): SGLang serves the target with the draft
-  (``--speculative-algorithm EAGLE3``), then the same server without it; held-out prompts
+  (``--speculative-algorithm EAGLE3``), then the same server without it; each set's prompts
   go to its native ``/generate`` as token ids, greedy, ``concurrency`` in flight. The
   accept length is SGLang's own count: completion tokens / verify forwards.
 - ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.eagle3.decoding``, both models
@@ -46,6 +50,7 @@ from pipeline.run.step_contract import (
     step_dir_from_env,
     write_manifest,
 )
+from pipeline.steps.accept.sets import HELDOUT, SetError, read_set, rendered
 from pipeline.steps.retry import Retry
 from pipeline.steps.serve import ServeError
 from pipeline.steps.sglang import (
@@ -58,7 +63,7 @@ from pipeline.steps.sglang import (
     gpus_released,
     sglang_server,
 )
-from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.target import TargetError, check_target, load_tokenizer, target_config
 from pipeline.steps.wrapper import language_config
 
 RESULT = "accept.json"
@@ -74,7 +79,7 @@ console = Console(stderr=True, soft_wrap=True)
 class Settings:
     draft: Path
     target: str
-    data: Path
+    data: Path | None
     engine: Engine
     speculation: Speculation
     heldout_fraction: float
@@ -87,6 +92,8 @@ class Settings:
     release_target: str | None
     startup_timeout_s: float
     request_timeout_s: float
+    bench: list[str] = field(default_factory=lambda: [HELDOUT])
+    """The prompt sets, in order (``sets.py``)."""
     retry: Retry = field(default_factory=Retry)
     """Of each request to a server: a transient fault (refused, reset, timed out, 5xx) is sent again."""
     parsers: Parsers = Parsers()
@@ -107,7 +114,7 @@ def check(settings: Settings) -> None:
     themselves are checked as they are read, by ``config.AcceptConfig``)."""
     if not (settings.draft / "config.json").is_file():
         raise AcceptError(f"--draft {settings.draft} is not an exported draft (no config.json): run train")
-    if not settings.data.exists():
+    if HELDOUT in settings.bench and not (settings.data and settings.data.exists()):
         raise AcceptError(f"--data {settings.data} does not exist (run tokenize first)")
     try:
         check_target(settings.target, "--target")
@@ -142,7 +149,75 @@ def heldout_prompts(settings: Settings) -> list[list[int]]:
     return prompts
 
 
-def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> dict:
+def _tokenizer(settings: Settings):
+    try:
+        return load_tokenizer(
+            settings.target, trust_remote_code=settings.trust_remote_code, option="--target"
+        )
+    except TargetError as exc:
+        raise AcceptError(str(exc)) from None
+
+
+def prompt_sets(settings: Settings) -> dict[str, list[list[int]]]:
+    """Each set's first ``prompts`` prompts as token ids. Every set is read before the tokenizer
+    loads, so that a bad file is said at once."""
+    try:
+        named = {name: read_set(name)[: settings.prompts] for name in settings.bench if name != HELDOUT}
+    except SetError as exc:
+        raise AcceptError(str(exc)) from None
+    tokenizer = _tokenizer(settings) if named else None
+    sets = {}
+    for name in dict.fromkeys(settings.bench):
+        if name == HELDOUT:
+            sets[name] = heldout_prompts(settings)
+            continue
+        try:
+            sets[name] = [rendered(tokenizer, conversation) for conversation in named[name]]
+        except ValueError as exc:  # transformers' word for a tokenizer without a chat template
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AcceptError(
+                f"--target {settings.target}: its tokenizer cannot render --bench {name}: {reason}"
+            ) from None
+    return sets
+
+
+@dataclass
+class Tally:
+    """What one run over a set's prompts counted, raw, so that runs over several sets add up exactly."""
+
+    seconds: float = 0.0
+    output_tokens: int = 0
+    verify_forwards: int = 0
+    yielded: list[int] = field(default_factory=list)
+    """The chain's: the tokens each verifying forward yielded, for the rate at each draft position."""
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.seconds + other.seconds,
+            self.output_tokens + other.output_tokens,
+            self.verify_forwards + other.verify_forwards,
+            self.yielded + other.yielded,
+        )
+
+    def run(self, k: int) -> dict:
+        forwards = self.verify_forwards
+        return {
+            "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
+            "output_tokens_per_s": round(self.output_tokens / self.seconds, 2),
+            "verify_forwards": forwards or None,
+            # As SGLang counts it, pooled over the requests: completion tokens over verifying forwards
+            # (the prompt's own forward, which yields the first token, is not one).
+            "accept_length": round(self.output_tokens / forwards, 3) if forwards else None,
+            "acceptance_rate_per_position": acceptance_rates(self.yielded, k) if self.yielded else None,
+        }
+
+
+Measured = dict[str, tuple[Tally, Tally]]
+"""Each set's tallies: with the draft, then without."""
+
+
+def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> Tally:
     """Every prompt through ``url``, ``concurrency`` in flight, after one warm-up request."""
 
     def complete(prompt: list[int], max_new_tokens: int) -> dict:
@@ -154,22 +229,16 @@ def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> dict:
         metas = list(pool.map(lambda p: complete(p, settings.max_new_tokens), prompts))
     seconds = time.monotonic() - started
     tokens = sum(m["completion_tokens"] for m in metas)
-    forwards = sum(m.get("spec_verify_ct", 0) for m in metas)
-    return {
-        "output_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "output_tokens_per_s": round(tokens / seconds, 2),
-        "verify_forwards": forwards or None,
-        "accept_length": round(tokens / forwards, 3) if forwards else None,
-    }
+    return Tally(seconds, tokens, sum(m.get("spec_verify_ct", 0) for m in metas))
 
 
-def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> tuple[dict, dict]:
-    runs = {}
+def measure_sglang(settings: Settings, sets: dict[str, list[list[int]]], logs: Path) -> Measured:
+    runs: dict[str, dict[str, Tally]] = {name: {} for name in sets}
     with gpus_released(settings.release_target, logs, retry=settings.retry):
         for name, speculation in (("speculative", settings.speculation), ("baseline", None)):
             how = "with" if speculation else "without"
-            console.print(f"accept: SGLang {how} the draft, {len(prompts)} prompts", markup=False)
+            count = sum(map(len, sets.values()))
+            console.print(f"accept: SGLang {how} the draft, {count} prompts", markup=False)
             with sglang_server(
                 settings.target,
                 logs / f"sglang-{name}.log",
@@ -179,8 +248,9 @@ def measure_sglang(settings: Settings, prompts: list[list[int]], logs: Path) -> 
                 speculation=speculation,
                 startup_timeout_s=settings.startup_timeout_s,
             ) as url:
-                runs[name] = _server_run(url, prompts, settings)
-    return runs["speculative"], runs["baseline"]
+                for set_name, prompts in sets.items():
+                    runs[set_name][name] = _server_run(url, prompts, settings)
+    return {name: (run["speculative"], run["baseline"]) for name, run in runs.items()}
 
 
 def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
@@ -189,28 +259,34 @@ def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
     return [round(sum(n > i for n in per_forward) / len(per_forward), 4) for i in range(1, k + 1)]
 
 
-def _chain_run(
-    seconds: float, outputs: list[list[int]], per_forward: list[int] | None = None, k: int = 0
-) -> dict:
-    total = sum(len(t) for t in outputs)
-    run = {
-        "output_tokens": total,
-        "seconds": round(seconds, 3),
-        "output_tokens_per_s": round(total / seconds, 2),
-        "verify_forwards": None,
-        "accept_length": None,
-        "acceptance_rate_per_position": None,
-    }
-    if per_forward:
-        # As SGLang counts it, pooled over the requests: completion tokens over verifying forwards
-        # (the prompt's own forward, which yields the first token, is not one).
-        run["verify_forwards"] = len(per_forward)
-        run["accept_length"] = round(total / len(per_forward), 3)
-        run["acceptance_rate_per_position"] = acceptance_rates(per_forward, k)
-    return run
+def _chain_set(
+    name: str, target, draft, prompts: list[list[int]], k: int, settings: Settings
+) -> tuple[Tally, Tally]:
+    """One set through the chain loop, then through the target's own ``generate``, each timed."""
+    from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate, speculative_generate
+
+    eos_ids = eos_ids_of(target)
+    started = time.monotonic()
+    speculative, per_forward = [], []
+    for prompt in prompts:
+        tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
+        speculative.append(tokens)
+        per_forward += yielded
+    spec = Tally(time.monotonic() - started, sum(map(len, speculative)), len(per_forward), per_forward)
+    started = time.monotonic()
+    baseline = [greedy_generate(target, prompt, settings.max_new_tokens, eos_ids) for prompt in prompts]
+    base = Tally(time.monotonic() - started, sum(map(len, baseline)))
+    if speculative != baseline:
+        differ = sum(a != b for a, b in zip(speculative, baseline, strict=True))
+        raise DecodingMismatch(
+            f"speculative decoding changed {differ} of {len(prompts)} of the target's greedy outputs on "
+            f"{name}: the draft's tokens must only ever be kept where the target agrees (a bug, not a "
+            "draft quality issue)"
+        )
+    return spec, base
 
 
-def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, dict]:
+def measure_chain(settings: Settings, sets: dict[str, list[list[int]]]) -> Measured:
     """The cached chain loop against the target's own greedy ``generate`` on the same prompts, one
     request at a time (batch 1), wall-clock."""
     import torch
@@ -225,25 +301,46 @@ def measure_chain(settings: Settings, prompts: list[list[int]]) -> tuple[dict, d
     eos_ids = eos_ids_of(target)
     k = settings.speculation.num_steps
     # One-time costs (first allocations, lazy set-up) out of the timing, as the servers get a warm-up request.
-    speculative_generate(target, draft, prompts[0], k, 8, eos_ids)
-    greedy_generate(target, prompts[0], 8, eos_ids)
-    started = time.monotonic()
-    speculative, per_forward = [], []
-    for prompt in prompts:
-        tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
-        speculative.append(tokens)
-        per_forward += yielded
-    spec_seconds = time.monotonic() - started
-    started = time.monotonic()
-    baseline = [greedy_generate(target, prompt, settings.max_new_tokens, eos_ids) for prompt in prompts]
-    base_seconds = time.monotonic() - started
-    if speculative != baseline:
-        differ = sum(a != b for a, b in zip(speculative, baseline, strict=True))
-        raise DecodingMismatch(
-            f"speculative decoding changed {differ} of {len(prompts)} of the target's greedy outputs: the "
-            "draft's tokens must only ever be kept where the target agrees (a bug, not a draft quality issue)"
-        )
-    return _chain_run(spec_seconds, speculative, per_forward, k), _chain_run(base_seconds, baseline)
+    first = next(iter(sets.values()))[0]
+    speculative_generate(target, draft, first, k, 8, eos_ids)
+    greedy_generate(target, first, 8, eos_ids)
+    return {name: _chain_set(name, target, draft, prompts, k, settings) for name, prompts in sets.items()}
+
+
+def _figures(speculative: Tally, baseline: Tally, k: int) -> dict:
+    spec, base = speculative.run(k), baseline.run(k)
+    rate = base["output_tokens_per_s"]
+    return {
+        "accept_length": spec["accept_length"],
+        "acceptance_rate_per_position": spec["acceptance_rate_per_position"],
+        "output_tokens_per_s": spec["output_tokens_per_s"],
+        "baseline_output_tokens_per_s": rate,
+        "speedup": round(spec["output_tokens_per_s"] / rate, 3) if rate else None,
+        "speculative": spec,
+        "baseline": base,
+    }
+
+
+def _result(settings: Settings, sets: dict[str, list[list[int]]], measured: Measured) -> dict:
+    """accept.json: the figures pooled over every set's requests, and each set's own."""
+    spec = settings.speculation
+    pooled = [sum(tallies, Tally()) for tallies in zip(*measured.values(), strict=True)]
+    return {
+        "engine": settings.engine,
+        "target": settings.target,
+        "draft": str(settings.draft),
+        "prompts": sum(map(len, sets.values())),
+        "max_new_tokens": settings.max_new_tokens,
+        "num_steps": spec.num_steps,
+        "topk": spec.topk,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "accept_length_is": ACCEPT_LENGTH_IS,
+        **_figures(*pooled, spec.num_steps),
+        "sets": {
+            name: {"prompts": len(sets[name]), **_figures(*tallies, spec.num_steps)}
+            for name, tallies in measured.items()
+        },
+    }
 
 
 def _say(message: str) -> None:
@@ -254,7 +351,7 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     try:
         check(settings)
-        prompts = heldout_prompts(settings)
+        sets = prompt_sets(settings)
     except AcceptError as exc:
         say_error(str(exc))
         return EXIT_BAD_INPUT
@@ -268,9 +365,9 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
         settings = dataclasses.replace(settings, speculation=served)
     try:
         if settings.engine == "sglang":
-            speculative, baseline = measure_sglang(settings, prompts, step_dir)
+            measured = measure_sglang(settings, sets, step_dir)
         else:
-            speculative, baseline = measure_chain(settings, prompts)
+            measured = measure_chain(settings, sets)
     except (TargetError, SGLangRefused) as exc:
         say_error(str(exc))
         return EXIT_BAD_INPUT
@@ -280,32 +377,15 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
     except Terminated as exc:
         say_error(str(exc))
         return 128 + exc.signum
-    spec = settings.speculation
-    result = {
-        "engine": settings.engine,
-        "target": settings.target,
-        "draft": str(settings.draft),
-        "prompts": len(prompts),
-        "max_new_tokens": settings.max_new_tokens,
-        "num_steps": spec.num_steps,
-        "topk": spec.topk,
-        "num_draft_tokens": spec.num_draft_tokens,
-        "accept_length": speculative["accept_length"],
-        "accept_length_is": ACCEPT_LENGTH_IS,
-        "acceptance_rate_per_position": speculative.get("acceptance_rate_per_position"),
-        "output_tokens_per_s": speculative["output_tokens_per_s"],
-        "baseline_output_tokens_per_s": baseline["output_tokens_per_s"],
-        "speedup": round(speculative["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3),
-        "speculative": speculative,
-        "baseline": baseline,
-    }
+    result = _result(settings, sets, measured)
     atomic_write_text(step_dir / RESULT, json.dumps(result, indent=2) + "\n")
     write_manifest(step_dir, [RESULT], stats=result)
-    console.print(
-        f"accept ({settings.engine}): accept length {result['accept_length']} (pooled over requests), "
-        f"{result['output_tokens_per_s']} output tok/s with the draft, "
-        f"{result['baseline_output_tokens_per_s']} without ({result['speedup']}x)",
-        markup=False,
-        highlight=False,
-    )
+    for name, figures in [*result["sets"].items(), *([("all sets", result)] if len(sets) > 1 else [])]:
+        console.print(
+            f"accept ({settings.engine}) {name}: accept length {figures['accept_length']} (pooled over "
+            f"requests), {figures['output_tokens_per_s']} output tok/s with the draft, "
+            f"{figures['baseline_output_tokens_per_s']} without ({figures['speedup']}x)",
+            markup=False,
+            highlight=False,
+        )
     return 0

@@ -159,7 +159,7 @@ def test_accept_length_is_sglangs_count_completion_tokens_over_verify_forwards(t
         meta={"completion_tokens": 30, "spec_verify_ct": 12}, failures={"/generate": [503, 502]}
     )
     try:
-        run = _server_run(server.url, [[5, 6, 7]] * 4, _sglang_settings(run_inputs))
+        run = _server_run(server.url, [[5, 6, 7]] * 4, _sglang_settings(run_inputs)).run(3)
     finally:
         server.close()
     # one warm-up, then the four prompts; two answers of "not now" sent again
