@@ -1,4 +1,5 @@
-"""The target model, named by a Hugging Face hub id or a local folder, loaded with transformers.
+"""The target model, named by a Hugging Face hub id, a local folder or a GGUF file (converted once
+into a cached folder: :func:`resolved`), loaded with transformers.
 
 The same name serves every step that needs the target (tokenize: its tokenizer and chat
 template; train and accept: its weights). A target that ships its own code (``auto_map``
@@ -33,8 +34,21 @@ def is_local(target: str | Path) -> bool:
     return Path(target).exists() or str(target).startswith((".", "/", "~"))
 
 
+def resolved(target: str | Path, option: str) -> str | Path:
+    """The target as the steps read it: itself, or for a GGUF file (or a folder holding one) the
+    model folder it is converted into once (:mod:`pipeline.steps.gguf_target`). Every function here
+    that takes a target starts with this, so each step takes a GGUF file without code of its own."""
+    from pipeline.steps.gguf_target import GGUFError, converted
+
+    try:
+        return converted(target)
+    except GGUFError as exc:
+        raise TargetError(f"{option} {target}: {exc}") from None
+
+
 def check_target(target: str | Path, option: str) -> None:
     """Before any work: a local target is a model folder; anything else must read as a hub id."""
+    target = resolved(target, option)
     path = Path(target)
     if is_local(target):
         if not path.exists():
@@ -58,6 +72,7 @@ TOKENIZER_FILES = (
 def check_tokenizer(target: str | Path, option: str) -> None:
     """Before loading: a local tokenizer is a folder holding tokenizer files; anything else must
     read as a hub id (else transformers would call a missing folder a malformed hub id)."""
+    target = resolved(target, option)
     path = Path(target).expanduser()
     if is_local(target):
         if not path.is_dir():
@@ -103,6 +118,7 @@ def target_config(target: str | Path, *, trust_remote_code: bool, option: str = 
     """The target's config alone (seconds, even for a hub id): what can be checked before the weights."""
     from transformers import AutoConfig
 
+    target = resolved(target, option)
     try:
         with _quiet_transformers():
             return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
@@ -206,6 +222,7 @@ def load_model(
 
     from pipeline.steps.quantized import HeldFormatError, check_readable, load_held, quantization_of
 
+    target = resolved(target, option)
     config = target_config(target, trust_remote_code=trust_remote_code, option=option)
     devices = set((device_map or {}).values())
     device_type = "cuda" if any(str(d).startswith("cuda") for d in devices) else "cpu"
@@ -265,6 +282,7 @@ MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 def model_folder(target: str | Path) -> Path:
     """The folder holding the target's files: its own, or the hub cache's snapshot of a hub id
     (fetched, when it is not there yet, for the files the steps read)."""
+    target = resolved(target, "--target")
     if is_local(target):
         return Path(target)
     from huggingface_hub import snapshot_download
@@ -279,6 +297,7 @@ def model_folder(target: str | Path) -> Path:
 def weights_key(target: str | Path) -> dict[str, Any]:
     """What names the target's weights: a hub id's snapshot (the commit it was fetched at), or a
     folder's config and weight files (name, size, modification time)."""
+    target = resolved(target, "--target")
     folder = model_folder(target)
     if not is_local(target):
         return {"hub": str(target), "revision": folder.name}
@@ -331,6 +350,7 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str =
         f"{option} {target}: the tokenizer ships its own code (auto_map in its tokenizer_config.json), "
         f"which alone tokenizes as the target does; pass {REMOTE_CODE_FLAG} to run it, if you trust it"
     )
+    target = resolved(target, option)
     check_tokenizer(target, option)
     try:
         with _quiet_transformers():

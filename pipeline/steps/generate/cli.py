@@ -18,6 +18,7 @@ from pipeline.steps.options import (
     OutDir,
     server_url,
     settings_options,
+    stop_when_checking,
     validated,
 )
 
@@ -59,14 +60,15 @@ def server_urls(given: list[str] | None, serve: Path | None) -> tuple[list[str],
     return urls, service
 
 
-@settings_options(GenerateSettings)
+@settings_options(GenerateSettings, checks_itself=True)
 def generate(
     prompts: Annotated[Path, typer.Argument(help="prompts.jsonl from the prep step.")],
     url: Annotated[
         list[str] | None, typer.Option(metavar="URL", help="OpenAI-compatible server base URL (repeatable).")
     ] = None,
     serve: Annotated[
-        Path | None, typer.Option(help="Serve this model folder with `transformers serve` meanwhile.")
+        Path | None,
+        typer.Option(help="Serve this model folder (or GGUF file) with `transformers serve` meanwhile."),
     ] = None,
     continuous_batching: Annotated[
         bool, typer.Option(help="With --serve: decode requests in flight together (paged attention).")
@@ -81,6 +83,7 @@ def generate(
 
     from pipeline.steps.generate.driver import generate as run_generation
     from pipeline.steps.serve import ServeError, transformers_serve
+    from pipeline.steps.target import TargetError, resolved
 
     try:
         urls, service = server_urls(url, serve)
@@ -97,10 +100,13 @@ def generate(
         api_key=api_key,
         out_dir=(out_dir or step_dir_from_env()).resolve(),
     )
+    stop_when_checking()
     with contextlib.ExitStack() as stack:
         if serve is not None:
             log = config.out_dir / "serve.log"
             try:
+                # A GGUF file is served as the folder it converts into, which requests then name.
+                serve = Path(resolved(serve, "--serve"))
                 served = stack.enter_context(
                     transformers_serve(
                         serve,
@@ -109,7 +115,7 @@ def generate(
                         continuous_batching=continuous_batching,
                     )
                 )
-            except ServeError as exc:
+            except (ServeError, TargetError) as exc:
                 say_error(str(exc))
                 raise typer.Exit(EXIT_BAD_INPUT) from None
             config.urls = [served]
