@@ -65,8 +65,8 @@ class TrainConfig(BaseModel):
     loss_chunk: int = Field(512, ge=1)
     """Positions whose draft-vocabulary logits are computed at once (recomputed in backward)."""
     recompute_steps: bool = True
-    """Run each TTT step's layer again in the backward instead of keeping its activations: about a
-    tenth of the memory a row takes, for about a fifth more time a step (benchmarks/README.md)."""
+    """Run each TTT step's layer again in the backward instead of keeping its activations: measured,
+    0.29x the memory a step takes for 0.85x its tokens/s (benchmarks/README.md, "Long rows")."""
     eval_prompts: int = Field(32, ge=0)
     """Held-out prompts decoded for eval.json."""
     eval_max_new_tokens: int = Field(64, ge=1)
