@@ -76,18 +76,19 @@ def attempts_json(run_dir: Path) -> list[dict]:
 
 # -- the real job on CPU settings ---------------------------------------------------------------
 REAL_JOB = REPO / "pipeline" / "embedded" / "eagle3.yaml"
-# compose/compose.cpu.yaml's settings, less its external server: the file serves the tiny target.
-REAL_JOB_CPU_SETTINGS = {
-    "EYRIE_TARGET_ENGINE": "transformers", "EYRIE_TARGET_MEMORY": "3GiB", "EYRIE_TARGET_URL": "",
-    "EYRIE_RELEASE_TARGET": "no", "EYRIE_GPUS": "0", "EYRIE_TRAIN_PROCESSES": "1",
-    "EYRIE_ACCEPT_ENGINE": "chain", "EYRIE_PREP_DATA": "offline", "EYRIE_QUOTA": "8",
-    "EYRIE_MAX_TOKENS": "32", "EYRIE_CONCURRENCY": "8", "EYRIE_MAX_LENGTH": "1024", "EYRIE_MAX_STEPS": "4",
-    "EYRIE_BATCH_SIZE": "2", "EYRIE_DRAFT_VOCAB": "512", "EYRIE_TTT_STEPS": "2",
-    "EYRIE_HELDOUT_FRACTION": "0.2", "EYRIE_ACCEPT_PROMPTS": "2", "EYRIE_ACCEPT_MAX_NEW_TOKENS": "8",
-    "EYRIE_PREP_MEMORY": "1536MiB", "EYRIE_GENERATE_MEMORY": "512MiB", "EYRIE_TOKENIZE_MEMORY": "1GiB",
-    "EYRIE_TRAIN_MEMORY": "4GiB", "EYRIE_ACCEPT_MEMORY": "2GiB", "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}  # fmt: skip
+CPU_ENV = REPO / "compose" / "cpu.env"
+
+
+def env_file_settings(path: Path) -> dict[str, str]:
+    """The KEY=VALUE lines of ``path`` (an env file, as `docker compose --env-file` and the shell's
+    `.` read it: no quotes, no spaces); blank lines and ``#`` comments skipped."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+# The settings every CPU run of the real job takes (compose, `make cpu`, these tests); the file
+# serves the tiny target itself, which each test makes and names (EYRIE_TARGET_MODEL).
+REAL_JOB_CPU_SETTINGS = env_file_settings(CPU_ENV)
 # Every step of the real job and its target's one replica: (step, replica) -> verdict.
 REAL_JOB_SUCCEEDED = {
     **{(step, None): "succeeded" for step in ("prep", "generate", "tokenize", "train", "accept")},
@@ -289,3 +290,25 @@ def check_run_chart(page: str, png: Path, steps: list[str]) -> None:
     drawn = chart_pixels(png, page, series)
     missing = {name: n for name, n in drawn.items() if n < 300}
     assert not missing, f"series not drawn (pixels seen: {missing}); all: {drawn}"
+
+
+def perturbed_draft(target, draft_vocab: int | None = None, layer_ids=(0, 2, 3), seed: int = 1):
+    """An untrained EAGLE-3 draft for ``target`` whose logits differ from one token to the next:
+    the target's embedding, a vocabulary map keeping the lowest ids, weights nudged off random init
+    (too close to uniform to tell logits apart)."""
+    import torch
+
+    from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
+
+    torch.manual_seed(seed)
+    vocab = draft_vocab or target.config.vocab_size
+    d2t, t2d = vocab_map(torch.arange(target.config.vocab_size).flip(0), vocab)
+    draft = Eagle3Draft(draft_config(target.config, vocab, list(layer_ids)))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return draft.eval()

@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eyrie_testing import perturbed_draft
 from pipeline.steps.accept.measure import acceptance_rates
 from pipeline.steps.eagle3.decoding import greedy_generate, speculative_generate
-from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids, draft_config, vocab_map
+from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 
 def _target(vocab: int, seed: int):
@@ -26,18 +27,7 @@ def _target(vocab: int, seed: int):
 
 
 def _draft(target, seed: int) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    vocab = target.config.vocab_size
-    d2t, t2d = vocab_map(torch.arange(vocab).flip(0), vocab)
-    draft = Eagle3Draft(draft_config(target.config, vocab, [0, 1, 2]))
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        for p in draft.parameters():  # random init is too close to uniform to tell logits apart
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.1)
-    return draft.eval()
+    return perturbed_draft(target, layer_ids=(0, 1, 2), seed=seed)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

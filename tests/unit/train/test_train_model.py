@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eyrie_testing import perturbed_draft
 from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.attention import ttt_attention
 from pipeline.steps.eagle3.decoding import eos_ids_of, propose, real_acceptance, speculative_generate
 from pipeline.steps.eagle3.export import export_draft, load_draft
-from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
+from pipeline.steps.eagle3.model import vocab_map
 from pipeline.steps.shards import Example
 from pipeline.steps.train.features import OnlineTarget
 from pipeline.steps.train.loop import simulated_acceptance
@@ -94,18 +95,7 @@ def _tiny_target(seed=0, vocab=96, layers=6):
 
 
 def _draft_for(target, draft_vocab=48, layer_ids=(0, 2, 3)):
-    torch.manual_seed(1)
-    counts = torch.arange(target.config.vocab_size).flip(0)
-    d2t, t2d = vocab_map(counts, draft_vocab)
-    draft = Eagle3Draft(draft_config(target.config, draft_vocab, list(layer_ids)))
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        for p in draft.parameters():  # random init is too close to uniform to tell logits apart
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.1)
-    return draft.eval()
+    return perturbed_draft(target, draft_vocab, layer_ids)
 
 
 def test_export_reload_gives_identical_logits(tmp_path):
