@@ -33,7 +33,7 @@ from pipeline.report.ledger_access import read_run
 from pipeline.report.neighbours import neighbours
 from pipeline.report.run_chart import Legend, run_chart
 from pipeline.report.status import exit_text, not_run_steps
-from pipeline.report.timeline import clock, run_timeline
+from pipeline.report.timeline import RunTimeline, clock, run_timeline
 from pipeline.run.layout import REPORT_NAME
 from pipeline.run.ledger import AttemptRow, Ledger
 from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
@@ -117,8 +117,8 @@ def timeline_svg(row: AttemptRow, points: list[tuple[float, int, int]]) -> str:
     return "".join(parts) + _legend(legend)
 
 
-def _run_section(ledger: Ledger, run: dict) -> str:
-    timeline = run_timeline(ledger, run)
+def _run_section(ledger: Ledger, timeline: RunTimeline) -> str:
+    run = timeline.run
     head = (
         f"<h2 id='run-{esc(run['run_id'])}'>Run {esc(run['run_id'])}: "
         f"<span style='color:{verdict_color(None if run['state'] == 'running' else run['state'])}'>"
@@ -214,11 +214,13 @@ def render(ledger: Ledger, run_dir: Path) -> str:
             f"<td>{'-' if row.records is None else f'{row.records:,}'}</td>"
             "</tr>"
         )
+    # Each run's timeline once: the run chart and every failed attempt's neighbours read it.
+    timelines = {run["run_id"]: run_timeline(ledger, run) for run in ledger.runs()}
     # Newest run first: it is the one a reader opens the report for.
-    runs = "".join(_run_section(ledger, run) for run in reversed(ledger.runs()))
+    runs = "".join(_run_section(ledger, timeline) for timeline in reversed(timelines.values()))
     sections = []
     for row in attempts:
-        lines = attempt_account(row, run_dir) + neighbours(ledger, row)
+        lines = attempt_account(row, run_dir) + neighbours(ledger, row, timelines.get(row.run_id))
         why = "".join(f"{esc(line)}\n" for line in lines)
         sections.append(
             f"<h2 id='{esc(row.step)}-{row.attempt}'>{esc(row.step)} attempt {row.attempt}: "

@@ -16,6 +16,7 @@ from pipeline.report.timeline import (
     CRASH_ENDINGS,
     MEMORY_ENDINGS,
     OOM_KILL_ENDINGS,
+    RunTimeline,
     Track,
     clock,
     timeline_of,
@@ -27,11 +28,15 @@ NEAR_LIMIT = 0.9  # memory this close to its limit: the limit is what stopped th
 HOST_FULL = 0.05  # less than this share left of the memory the steps share: it was full
 
 
-def neighbours(ledger: Ledger, row: AttemptRow) -> list[str]:
-    """Sentences on the host and the other attempts at the moment ``row`` was killed or crashed."""
+def neighbours(ledger: Ledger, row: AttemptRow, timeline: RunTimeline | None = None) -> list[str]:
+    """Sentences on the host and the other attempts at the moment ``row`` was killed or crashed.
+
+    ``timeline``: the run of ``row``, where the caller has it. A report of many attempts passes each
+    run's, built once: building it reads all of the run's samples from the ledger."""
     if row.verdict not in MEMORY_ENDINGS | CRASH_ENDINGS:
         return []
-    timeline = timeline_of(ledger, row)
+    if timeline is None:
+        timeline = timeline_of(ledger, row)
     track = next((t for t in timeline.tracks if t.row.id == row.id), None) if timeline else None
     if timeline is None or track is None or track.event is None:
         return []

@@ -2,12 +2,16 @@
 
 import re
 import sys
+import time
 
 import pytest
 
 from eyrie_testing import REPO, attempts_json, eyrie
-from pipeline.report.chart import RUNNING_COLOR
-from pipeline.run.ledger import Ledger
+from pipeline.memory import GIB
+from pipeline.report.chart import RUNNING_COLOR, esc
+from pipeline.report.html import render
+from pipeline.report.neighbours import neighbours
+from pipeline.run.ledger import HostSample, Ledger
 
 
 @pytest.mark.usefixtures("real_cgroups")
@@ -117,3 +121,61 @@ def test_report_never_replaces_a_folder_named_like_it(tmp_path):
     result = eyrie("report", "--run-dir", str(tmp_path))
     assert result.returncode == 2 and "is a folder" in result.stderr
     assert (tmp_path / "report.html" / "out.txt").read_text() == "a step's output"
+
+
+def _a_run_of_crashes(run_dir, crashes: int) -> None:
+    """A server beside ``crashes`` jobs that each crashed, with a minute of host samples."""
+    ledger = Ledger(run_dir)
+    t0 = time.time() - 120
+    jobs = [f"job{n}" for n in range(crashes)]
+    ledger.start_run("r1", "p.yaml", "local", ["server", *jobs], 15 * GIB, "MemAvailable")
+    ended = {"server": ("succeeded", "exit 0", 60, 0, None)}
+    ended |= {job: ("crashed", "signal 11", 5 + n, None, 11) for n, job in enumerate(jobs)}
+    for step, (verdict, reason, seconds, exit_code, signal) in ended.items():
+        attempt = ledger.begin_attempt(
+            run_id="r1",
+            step=step,
+            attempt=1,
+            executor="local",
+            limit_bytes=2 * GIB,
+            limit_reason=None,
+            argv=["x"],
+            image=None,
+            commit_id=None,
+            host_mem_available=15 * GIB,
+            host_mem_total=16 * GIB,
+        )
+        fields = {"started_at": t0, "ended_at": t0 + seconds, "peak_bytes": GIB, "anon_peak_bytes": GIB}
+        ledger.end_attempt(
+            attempt,
+            verdict=verdict,
+            reason=reason,
+            fields={**fields, "exit_code": exit_code, "signal": signal},
+            timeline=[(float(s), GIB, GIB) for s in range(1, seconds + 1)],
+        )
+    for s in range(61):
+        ledger.add_host_sample("r1", HostSample(t0 + s, 16 * GIB, 8 * GIB, 8 * GIB))
+    ledger.end_run("r1", "failed")
+    ledger.close()
+
+
+def test_the_report_builds_each_run_s_timeline_once_however_many_attempts_failed(tmp_path, monkeypatch):
+    """Each failed attempt's neighbours are read off its run's timeline, which reads every sample of
+    the run: built once per attempt, a long run with many failures made the report slow."""
+    _a_run_of_crashes(tmp_path, crashes=4)
+    ledger = Ledger(tmp_path, create=False)
+    told = {row.id: neighbours(ledger, row) for row in ledger.attempts()}
+    built, read_host = [], Ledger.host_samples
+
+    def host_samples(self: Ledger, run_id: str) -> list[HostSample]:
+        built.append(run_id)  # building a run's timeline starts by reading its host samples
+        return read_host(self, run_id)
+
+    monkeypatch.setattr(Ledger, "host_samples", host_samples)
+    page = render(ledger, tmp_path)
+    ledger.close()
+    assert built == ["r1"]
+    # and each failed attempt is still told what ran beside it, as `eyrie explain` tells it
+    assert sum(bool(lines) for lines in told.values()) == 4
+    for lines in told.values():
+        assert all(esc(line) in page for line in lines), lines
