@@ -9,13 +9,22 @@ and none pulls in torch or transformers before it runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import os
+import shutil
 import subprocess
+import sys
+import textwrap
 import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer._click.core import Command as ClickCommand
+from typer._click.formatting import HelpFormatter
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from pipeline.run import EXECUTORS
@@ -81,6 +90,68 @@ class PlainArgument(TyperArgument):
         return None
 
 
+RICH_HELP_COLUMNS = 120
+"""The narrowest terminal whose --help is drawn in rich panels: narrower, their columns would cut
+option names (tests/unit/test_help.py checks that none is cut at this width)."""
+
+
+def rich_help() -> bool:
+    """Whether --help is drawn in rich panels: on a terminal RICH_HELP_COLUMNS wide or wider; else
+    (a pipe, a log, a narrower terminal) in plain lines, which never cut a name."""
+    return sys.stdout.isatty() and shutil.get_terminal_size().columns >= RICH_HELP_COLUMNS
+
+
+class WholeWords(HelpFormatter):
+    """click's plain help, its lines broken between words only: never at a hyphen or inside a word,
+    so an option's name or an environment variable's stays whole."""
+
+    @staticmethod
+    def _wrap(text: str, width: int, indent: str = "") -> list[str]:
+        wrapper = textwrap.TextWrapper(
+            width, initial_indent=indent, subsequent_indent=indent,
+            break_on_hyphens=False, break_long_words=False,
+        )  # fmt: skip
+        return [line for paragraph in text.split("\n\n") for line in [*wrapper.wrap(paragraph), ""]][:-1]
+
+    def write_text(self, text: str) -> None:
+        indent = " " * self.current_indent
+        for line in self._wrap(text, max(self.width - self.current_indent, 11), indent):
+            self.write(f"{line}\n")
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        first_col = min(max((len(first) for first, _ in rows), default=0), col_max) + col_spacing
+        for first, second in rows:
+            self.write(f"{'':>{self.current_indent}}{first}")
+            if not second:
+                self.write("\n")
+                continue
+            if len(first) <= first_col - col_spacing:
+                self.write(" " * (first_col - len(first)))
+            else:  # a long name: its help begins on the next line
+                self.write("\n" + " " * (first_col + self.current_indent))
+            lines = self._wrap(second, max(self.width - first_col - 2, 10)) or [""]
+            self.write(f"{lines[0]}\n")
+            for line in lines[1:]:
+                self.write(f"{'':>{first_col + self.current_indent}}{line}\n")
+
+
+def fitted_help(
+    command: ClickCommand,
+    ctx: typer.Context,
+    formatter: HelpFormatter,
+    rich: Callable[[typer.Context, HelpFormatter], None],
+) -> None:
+    """``command``'s --help: ``rich`` (typer's panels) where they fit (:func:`rich_help`), else
+    click's plain lines wrapped by :class:`WholeWords`."""
+    if rich_help():
+        rich(ctx, formatter)
+        return
+    plain = WholeWords(width=formatter.width)
+    ClickCommand.format_help(command, ctx, plain)
+    formatter.write(plain.getvalue())
+
+
 def plain_params(params: list) -> list:
     """``params`` with :class:`PlainOption` and :class:`PlainArgument` help, in place."""
     for param in params:
@@ -92,15 +163,34 @@ def plain_params(params: list) -> list:
     return params
 
 
+class FittedCommand(TyperCommand):
+    """A command whose help fits where it is shown (:func:`fitted_help`)."""
+
+    def format_help(self, ctx: typer.Context, formatter: HelpFormatter) -> None:
+        fitted_help(self, ctx, formatter, super().format_help)
+
+
+class FittedGroup(TyperGroup):
+    """A group whose help fits where it is shown (:func:`fitted_help`)."""
+
+    def format_help(self, ctx: typer.Context, formatter: HelpFormatter) -> None:
+        fitted_help(self, ctx, formatter, super().format_help)
+
+
 def plain_help(command: TyperCommand | TyperGroup) -> TyperCommand | TyperGroup:
-    """``command`` and its subcommands with plain help (:func:`plain_params`)."""
+    """``command`` and its subcommands with plain help (:func:`plain_params`) that fits
+    (:func:`fitted_help`)."""
+    if type(command) is TyperCommand:
+        command.__class__ = FittedCommand
+    elif type(command) is TyperGroup:
+        command.__class__ = FittedGroup
     plain_params(command.get_params(typer.Context(command)))
     for subcommand in getattr(command, "commands", {}).values():
         plain_help(subcommand)
     return command
 
 
-class EyrieCommands(TyperGroup):
+class EyrieCommands(FittedGroup):
     """eyrie's own commands, then the steps', each loaded on first use; help in plain words."""
 
     def get_params(self, ctx: typer.Context) -> list:
@@ -178,29 +268,47 @@ RUNS = Path("runs")
 DEFAULT_RUN_DIR = RUNS / "default"
 
 
-def eyrie_problem(args: list[str]) -> str | None:
-    """What ``eyrie ARGS`` would be refused for as its options are read (a missing or wrong option),
-    found by parsing them, not running the command; None when they parse."""
-    import contextlib
-    import io
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``env`` on top, for the block: a step's options read it."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
+
+def eyrie_problem(args: list[str], env: Mapping[str, str]) -> str | None:
+    """What ``eyrie ARGS``, started with ``env`` on top of this environment, would be refused for:
+    a missing or wrong option, and for a step's command a value its own settings refuse (the
+    command runs as far as its checks go, under ``CHECK_ONLY``: it reads no data, writes nothing);
+    None when there is nothing. Any other command is only parsed."""
     from typer._click.exceptions import UsageError
+
+    from pipeline.steps.options import CHECK_ONLY
 
     command: TyperCommand | TyperGroup = typer.main.get_command(app)
     words, path = list(args), ["eyrie"]
     said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said):  # what an option's own check says
+        # What an option's own check or the step says; the step's progress lines are not kept.
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()), _environment(env):
             while isinstance(command, TyperGroup):
                 if not words or (found := command.get_command(typer.Context(command), words[0])) is None:
                     return f"{' '.join(path)}: no command {words[0] if words else ''!r}".replace(" ''", "")
                 command, path = found, [*path, words.pop(0)]
-            command.make_context(" ".join(path), words)
+            with command.make_context(" ".join(path), words) as ctx:
+                if getattr(command.callback, CHECK_ONLY, False):
+                    ctx.meta[CHECK_ONLY] = True
+                    command.invoke(ctx)
     except UsageError as exc:
         return f"{' '.join(path)}: {exc.format_message()}"
     except typer.Exit as exc:
         if exc.exit_code:
-            return f"{' '.join(path)}: {said.getvalue().strip().removeprefix('error: ')}"
+            lines = [line.removeprefix("error: ") for line in said.getvalue().strip().splitlines()]
+            return f"{' '.join(path)}: {'; '.join(lines)}"
     return None
 
 
@@ -216,8 +324,8 @@ def run(
         bool,
         typer.Option(
             "--check",
-            help="Only check the file (keys, needs, each step's command and an eyrie command's options); "
-            "run nothing, write nothing.",
+            help="Only check what the run would refuse (keys, needs, commands, each eyrie step's settings, "
+            "inputs, limits, GPUs, train's placement); run nothing, write nothing.",
         ),
     ] = False,
 ) -> None:

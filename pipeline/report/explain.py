@@ -55,6 +55,8 @@ def attempt_account(row: AttemptRow, run_dir: Path) -> list[str]:
         where = f"pid {row.pid}, {row.location}" if row.pid else row.location  # a Slurm job has no pid here
         return [f"{row.step} attempt {row.attempt} is still running ({where})."]
     lines = [f"{HEADLINE.get(verdict, verdict)}: {row.reason}."]
+    if run_reason := row.data.get("run_reason"):
+        lines.append(f"It ran because {run_reason}.")
     if row.oom_kills:
         lines.append(
             f"oom_kill went {row.oom_kills_before}→{row.oom_kills_after} in the step's cgroup"
@@ -142,7 +144,16 @@ def _print_step_account(
             return 0
         console.print(f"Its last attempt was in an earlier run, {escape(rows[-1].run_id)}:", highlight=False)
     if attempt is not None:
+        numbers = sorted({r.attempt for r in rows})
         rows = [r for r in rows if r.attempt == attempt]
+        if not rows and numbers:  # the step ran: the attempt number is what is wrong
+            err.print(
+                f"[red]error:[/] no attempt {attempt} of step {escape(repr(step))} in {run_dir}; "
+                f"its attempts: {', '.join(map(str, numbers))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return EXIT_BAD_INPUT
     if not rows:
         known = sorted(
             {r.step for r in ledger.attempts()} | set(json.loads(latest["steps"]) if latest else [])

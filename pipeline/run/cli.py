@@ -23,6 +23,12 @@ from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 # What a run is refused or stopped for, said in one line: the file, the executor, the cgroups, the
 # run directory (busy, full) or its ledger (damaged, full).
 REFUSED = (PipelineError, ExecutorError, CgroupError, RunDirBusy, RunDirFull, LedgerUnreadable, LedgerFull)
+# What each signal that stops a run is to its user, as a cancelled attempt's reason says it.
+SIGNAL_WORDS = {
+    signal.SIGINT: "Ctrl-C (SIGINT)",
+    signal.SIGTERM: "SIGTERM",
+    signal.SIGHUP: "SIGHUP (its terminal closed)",
+}
 _PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta"]
 
 
@@ -81,7 +87,7 @@ def run_command(
     pipeline_file: Path,
     run_dir: Path,
     executor_name: str,
-    check: Callable[[list[str]], str | None] | None = None,
+    check: Callable[[list[str], dict[str, str]], str | None] | None = None,
 ) -> int:
     """Run the pipeline; with ``check`` (what an ``eyrie`` command's options lack), only check it."""
     console = Console(stderr=False)
@@ -101,13 +107,15 @@ def run_command(
         if not problems:
             services = f", {len(spec.services)} service(s)" if spec.services else ""
             console.print(
-                f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s){services}", highlight=False
+                f"{escape(str(pipeline_file))}: ok, {len(spec.steps)} step(s){services}",
+                highlight=False,
+                soft_wrap=True,
             )
         return 2 if problems else 0
 
     def cancel(signum: int, _frame: object) -> None:
         errors.print(f"[yellow]eyrie: {signal.Signals(signum).name}: stopping the running steps…[/]")
-        orchestrator.cancel()
+        orchestrator.cancel(f"{SIGNAL_WORDS.get(signum, signal.Signals(signum).name)} to eyrie run")
 
     # SIGHUP (the terminal or SSH session closed) stops the run as SIGTERM does: recorded, not lost;
     # unless it is ignored already (nohup): then the run outlives its terminal, as asked.
@@ -128,5 +136,6 @@ def run_command(
         f"[bold]eyrie[/] run {result.run_id} [{color}]{result.state}[/]; "
         f"see `eyrie status --run-dir {escape(str(run_dir))}`",
         highlight=False,
+        soft_wrap=True,  # in a pipe or a log too, the command it suggests stays on one line
     )
     return result.exit_code

@@ -12,16 +12,38 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from pipeline.run import EXECUTORS
+from pipeline.run.ledger import AttemptRow
 from pipeline.run.spec import PipelineSpec, StepSpec
-from pipeline.run.step_contract import check_manifest, manifest_digest, read_manifest, sha256_file
+from pipeline.run.step_contract import (
+    MANIFEST_NAME,
+    check_manifest,
+    manifest_digest,
+    read_manifest,
+    sha256_file,
+)
 from pipeline.run.step_inputs import missing_input
+from pipeline.run.verdict import DONE_VERDICTS
 
 
 def step_fingerprint(
     spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec, argv: list[str]
 ) -> str:
+    return digest(fingerprint_parts(spec, pipeline_path, run_dir, step, argv))
+
+
+def digest(parts: dict[str, Any]) -> str:
+    """The fingerprint of ``parts`` (:func:`fingerprint_parts`)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint_parts(
+    spec: PipelineSpec, pipeline_path: Path, run_dir: Path, step: StepSpec, argv: list[str]
+) -> dict[str, Any]:
+    """What the fingerprint is made of, by name: the ledger keeps them with each attempt, so that a
+    rerun can say which of them changed."""
     inputs = {}
     for rel in step.inputs:
         path = pipeline_path.parent / rel
@@ -37,18 +59,61 @@ def step_fingerprint(
     }
     for executor in EXECUTORS:  # e.g. a step's Docker image: other options leave results as they are
         payload.update(spec.executor_options(executor, step.name).fingerprint())
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return payload
 
 
-def check_up_to_date(run_dir: Path, step: StepSpec, fingerprint: str) -> tuple[bool, str]:
-    """Whether the step's manifest holds ``fingerprint`` and matches its outputs, and why (not)."""
+def check_up_to_date(
+    run_dir: Path, step: StepSpec, parts: dict[str, Any], earlier: list[AttemptRow]
+) -> tuple[bool, str]:
+    """Whether the step's manifest holds the fingerprint of ``parts`` and matches its outputs, and
+    why (not), in words: what changed since the attempt that wrote the manifest (among ``earlier``,
+    the step's attempts in the ledger), or how its last attempt ended."""
     step_dir = run_dir / step.name
     manifest = read_manifest(step_dir)
     if manifest is None:
-        return False, "no manifest"
-    if manifest.fingerprint != fingerprint:
-        return False, "its command, inputs or upstream outputs changed"
+        if not earlier:
+            return False, "it has not run in this run directory"
+        last = earlier[-1]
+        if last.verdict and last.verdict not in DONE_VERDICTS:
+            return False, f"its last attempt ({last.attempt}) ended {last.verdict}"
+        return False, f"its {MANIFEST_NAME} is gone"
+    if manifest.fingerprint != digest(parts):
+        made = [
+            r for r in earlier if r.fingerprint_parts and digest(r.fingerprint_parts) == manifest.fingerprint
+        ]
+        if not made:  # written before the ledger kept the parts
+            return False, "its command, inputs or upstream outputs changed"
+        return False, "; ".join(_changes(made[-1].fingerprint_parts, parts))
     complete, detail = check_manifest(step_dir, step.outputs)
     if not complete:
-        return False, detail
+        return False, f"an output changed: {detail}"
     return True, "up to date: its manifest matches its outputs and inputs"
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two attempts' fingerprint parts, each said as what a user changed."""
+    said = []
+    for key in sorted(set(old) | set(new)):
+        was, now = old.get(key), new.get(key)
+        if was == now:
+            continue
+        if key == "argv":
+            first = next(
+                (i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now))
+            )
+            said.append(
+                f"its command changed at argument {first}: {_word(was, first)} -> {_word(now, first)}"
+            )
+        elif key in ("needs", "inputs", "env"):
+            what = {"needs": "the outputs of step", "inputs": "input", "env": "env"}[key]
+            names = sorted(
+                n for n in set(was or {}) | set(now or {}) if (was or {}).get(n) != (now or {}).get(n)
+            )
+            said += [f"{what} {name} changed" for name in names]
+        else:
+            said.append(f"its {key} changed")
+    return said
+
+
+def _word(argv: list[str], i: int) -> str:
+    return repr(argv[i]) if i < len(argv) else "(none)"

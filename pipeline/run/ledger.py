@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from pipeline.memory import KIB
 from pipeline.run.disk import space_left
 from pipeline.run.layout import STATE_DIR
+from pipeline.run.step_contract import EXIT_FAILED, EXIT_INTERRUPTED
 
 LEDGER_NAME = "ledger.sqlite"
 LEDGER_FILES = tuple(LEDGER_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))
@@ -43,7 +44,7 @@ class RunState(str, enum.Enum):
 
     @property
     def exit_code(self) -> int:
-        return {RunState.SUCCEEDED: 0, RunState.CANCELLED: 130}.get(self, 1)
+        return {RunState.SUCCEEDED: 0, RunState.CANCELLED: EXIT_INTERRUPTED}.get(self, EXIT_FAILED)
 
 
 class StepState(str, enum.Enum):
@@ -151,8 +152,10 @@ _ADDED_COLUMNS = {
         # the runner's last sign of life in a second it wrote no host sample (one row a second)
         "heartbeat_at": "REAL",
     },
-    # JSON list: the outputs the step declared; replica: which replica of a service (NULL: a step)
-    "attempts": {"outputs": "TEXT", "replica": "INTEGER"},
+    # JSON list: the outputs the step declared; replica: which replica of a service (NULL: a step);
+    # run_reason: why the step ran (what changed since it last ran, or its last verdict);
+    # fingerprint_parts: JSON, what its fingerprint was made of (a later run says which changed)
+    "attempts": {"outputs": "TEXT", "replica": "INTEGER", "run_reason": "TEXT", "fingerprint_parts": "TEXT"},
     # what `available` is left of: the limit of the cgroup that bound it, else MemTotal
     "host_samples": {"capacity": "INTEGER"},
 }
@@ -231,6 +234,12 @@ class AttemptRow:
         return None if recorded is None else json.loads(recorded)
 
     @property
+    def fingerprint_parts(self) -> dict[str, Any] | None:
+        """What its fingerprint was made of; None for a service's, or in a ledger written before."""
+        recorded = self.data.get("fingerprint_parts")
+        return None if recorded is None else json.loads(recorded)
+
+    @property
     def replica(self) -> int | None:
         """Which replica of a service this attempt was; None for a step's."""
         return self.data.get("replica")
@@ -244,6 +253,7 @@ class AttemptRow:
         out = {k: self.data[k] for k in ATTEMPT_JSON_FIELDS}
         out["outputs"] = self.outputs
         out["replica"] = self.replica
+        out["run_reason"] = self.data.get("run_reason")
         out["wall_s"] = self.wall_s
         out["stderr_tail"] = json.loads(self.data["stderr_tail"] or "[]")
         out["argv"] = json.loads(self.data["argv"])
@@ -472,15 +482,18 @@ class Ledger:
         commit_id: str | None,
         outputs: list[str] | None = None,
         replica: int | None = None,
+        run_reason: str | None = None,
+        fingerprint_parts: dict[str, Any] | None = None,
     ) -> int:
         """``host_mem_*``: the memory the step's executor saw at its start (None: it runs on a machine
         this one does not see); ``outputs``: what the step declares it writes (None: it declares
-        nothing, as a compile job); ``replica``: which replica of a service this is (None: a step)."""
+        nothing, as a compile job); ``replica``: which replica of a service this is (None: a step);
+        ``run_reason``: why the step runs; ``fingerprint_parts``: what its fingerprint is made of."""
         cursor = self._write(
             "INSERT INTO attempts (run_id, step, attempt, state, executor, orchestrator_pid,"
             " limit_bytes, limit_reason, started_at, host_mem_available, host_mem_total, image,"
-            " commit_id, argv, outputs, replica)"
-            " VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " commit_id, argv, outputs, replica, run_reason, fingerprint_parts)"
+            " VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 run_id,
                 step,
@@ -497,6 +510,8 @@ class Ledger:
                 json.dumps(argv),
                 None if outputs is None else json.dumps(outputs),
                 replica,
+                run_reason,
+                None if fingerprint_parts is None else json.dumps(fingerprint_parts, sort_keys=True),
             ),
         )
         return int(cursor.lastrowid)

@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -38,7 +38,7 @@ from pipeline.run.executor import (
     Outcome,
     RunningAttempt,
 )
-from pipeline.run.fingerprint import check_up_to_date, step_fingerprint
+from pipeline.run.fingerprint import check_up_to_date, digest, fingerprint_parts
 from pipeline.run.host_sampler import HostSampler
 from pipeline.run.layout import STATE_DIR, attempt_logs
 from pipeline.run.ledger import (
@@ -161,6 +161,20 @@ def eyrie_commit() -> str | None:
         return None
 
 
+CHECK_PORT = "1"
+"""A service replica's port under ``--check``, where none is chosen: its command and its users'
+URLs are checked with it."""
+
+
+@contextlib.contextmanager
+def _collected(into: list[PipelineError | ExecutorError]) -> Iterator[None]:
+    """The PipelineError or ExecutorError the block raises, appended to ``into``."""
+    try:
+        yield
+    except (PipelineError, ExecutorError) as exc:
+        into.append(exc)
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -180,6 +194,7 @@ class Orchestrator:
         self._results: queue.Queue[tuple[_Running, Outcome]] = queue.Queue()
         self._running: dict[str, _Running] = {}
         self._cancel = threading.Event()
+        self._cancelled_by: str | None = None
         # Set when the run starts: its ledger, the memory its steps share, each step's bookkeeping.
         self._ledger: Ledger
         self._pool = 0
@@ -228,26 +243,25 @@ class Orchestrator:
             made += [self.run_dir / name for name in LEDGER_FILES]
         return made
 
-    def check(self, eyrie_problem: Callable[[list[str]], str | None]) -> list[str]:
-        """What ``eyrie run --check`` finds wrong in the steps' and services' commands, one line per
-        problem, with nothing made or run (the file's keys and its needs were checked as it was
-        read): a variable the runner cannot fill, a program not found, and, for an ``eyrie``
-        command, what ``eyrie_problem`` says its options lack."""
-        problems = []
+    def check(self, eyrie_problem: Callable[[list[str], dict[str, str]], str | None]) -> list[str]:
+        """What ``eyrie run --check`` finds wrong, one line per problem, with nothing made or run
+        (the file's keys and its needs were checked as it was read): a variable the runner cannot
+        fill; for an ``eyrie`` command, what ``eyrie_problem`` says of its options in the
+        environment the runner gives it; then what the run refuses before it starts
+        (:meth:`_refusals`)."""
+        problems, argvs = [], {}
         for step in self.spec.order():
             try:
-                argv = expand_command(self.pipeline_path, self.run_dir, step)
-                if self.executor.runs_here:
-                    check_program(self.spec, self.pipeline_path, self.run_dir, step, argv)
+                argvs[step.name] = argv = expand_command(self.pipeline_path, self.run_dir, step)
             except PipelineError as exc:
                 problems.append(str(exc))
                 continue
-            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
-                problems.append(f"{self.pipeline_path}: steps ({step.name}).command: {problem}")
+            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:], self._check_env(step))):
+                problems.append(f"{step.at(self.pipeline_path, 'command')}: {problem}")
         for service in (s for s in self.spec.services if not s.external):
             variables = {
                 **runner_env(self.pipeline_path, self.run_dir, service),
-                SERVICE_PORT_ENV: "1",
+                SERVICE_PORT_ENV: CHECK_PORT,
                 **service.env,
             }
             try:
@@ -255,12 +269,28 @@ class Orchestrator:
             except PipelineError as exc:
                 problems.append(str(exc))
                 continue
-            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:])):
-                problems.append(f"{self.pipeline_path}: services ({service.name}).command: {problem}")
-        return problems
+            if Path(argv[0]).name == "eyrie" and (problem := eyrie_problem(argv[1:], variables)):
+                problems.append(f"{service.at(self.pipeline_path, 'command')}: {problem}")
+        try:
+            binding = self._measure_pool()
+        except (ExecutorError, CgroupError) as exc:
+            return [*problems, str(exc)]
+        return problems + [str(refusal) for refusal in self._refusals(binding, argvs)]
 
-    def cancel(self) -> None:
-        """Ask the run to stop: running attempts are stopped and recorded as cancelled."""
+    def _check_env(self, step: StepSpec) -> dict[str, str]:
+        """What the runner adds to a step's environment, for ``--check``: a service it uses that is
+        started answers at a URL that does not exist yet, written as a replica on CHECK_PORT."""
+        urls = {
+            service_urls_env(s.name): ",".join(s.external) or f"http://127.0.0.1:{CHECK_PORT}"
+            for s in self.spec.services
+            if s.name in step.uses
+        }
+        return {**runner_env(self.pipeline_path, self.run_dir, step), **urls, **step.env}
+
+    def cancel(self, by: str | None = None) -> None:
+        """Ask the run to stop: running attempts are stopped and recorded as cancelled (``by``: what
+        asked, e.g. Ctrl-C, said in their reason)."""
+        self._cancelled_by = self._cancelled_by or by
         self._cancel.set()
 
     # -- the loop ----------------------------------------------------------------------
@@ -274,11 +304,10 @@ class Orchestrator:
             self._launch,
             self.reporter.note,
         )
-        budget = self.executor.memory_budget()
-        self._pool = min(budget.available, self.spec.budget or budget.available)
-        binding = budget.binding if self._pool == budget.available else "the pipeline's budget"
+        binding = self._measure_pool()
         argvs = {s.name: expand_command(self.pipeline_path, self.run_dir, s) for s in self.spec.steps}
-        self._check_before_start(binding, argvs)
+        for refusal in self._refusals(binding, argvs):
+            raise refusal
         ordered = self.spec.order()
         self._steps = {s.name: _StepRun(s, argvs[s.name], s.memory) for s in ordered}
         self._started = True
@@ -358,16 +387,28 @@ class Orchestrator:
         for step in self._steps.values():
             if step.state == StepState.PENDING:  # only when cancelled before it could start
                 self._drop_unsubmitted(step, "the run was cancelled")
-                self._finish(step, StepState.CANCELLED, "cancelled: the run was cancelled before it started")
+                by = f" by {self._cancelled_by}" if self._cancelled_by else ""
+                self._finish(
+                    step, StepState.CANCELLED, f"cancelled: the run was cancelled{by} before it started"
+                )
         if self._cancel.is_set():
             return RunState.CANCELLED
         if all(s.state in SETTLED_STATES for s in self._steps.values()):
             return RunState.SUCCEEDED
         return RunState.FAILED
 
-    def _check_before_start(self, binding: str, argvs: dict[str, list[str]]) -> None:
-        """Refuse, before anything starts, what cannot run: a limit above the pool, a missing input,
-        a command not found, what the executor cannot do."""
+    def _measure_pool(self) -> str:
+        """Set the memory the steps share (what the executor's host has, within the pipeline's
+        budget); what sets it."""
+        budget = self.executor.memory_budget()
+        self._pool = min(budget.available, self.spec.budget or budget.available)
+        return budget.binding if self._pool == budget.available else "the pipeline's budget"
+
+    def _refusals(self, binding: str, argvs: dict[str, list[str]]) -> Iterator[PipelineError | ExecutorError]:
+        """What cannot run, found before anything starts (``run`` refuses the first, ``--check``
+        says each): a limit above the pool, services that do not fit or ask for GPUs that are not
+        there, a missing input, a command (of those in ``argvs``) not found, what the executor
+        cannot do."""
         where = "a step can have" if self.executor.admits_by_memory else "this host really has"
         for step in self.spec.steps:
             pool, by = self._step_pool(step), binding
@@ -375,17 +416,30 @@ class Orchestrator:
                 own = self._step_budgets[step.name]
                 by = own.binding if pool == own.available else "the pipeline's budget"
             if step.memory > pool:
-                raise PipelineError(
-                    f"{self.pipeline_path}: steps ({step.name}).memory: {format_size(step.memory)} "
+                yield PipelineError(
+                    f"{step.at(self.pipeline_path, 'memory')}: {format_size(step.memory)} "
                     f"exceeds the {format_size(pool)} {where} (set by {by}); lower it or free memory"
                 )
-        check_placement(self.spec, self.pipeline_path, self.executor, self._pool, binding)
+            if step.gpus:
+                options = self.spec.executor_options(self.executor.name, step.name)
+                have, gpus_where = self.executor.gpu_capacity(options)
+                if step.gpus > have:
+                    yield PipelineError(
+                        f"{step.at(self.pipeline_path, 'gpus')}: {step.gpus}, more than the {have} GPU(s) "
+                        f"{gpus_where}; lower its gpus"
+                    )
+        refused: list[PipelineError | ExecutorError] = []
+        with _collected(refused):
+            check_placement(self.spec, self.pipeline_path, self.executor, self._pool, binding)
         for step in self.spec.steps:
-            check_inputs(self.spec, self.pipeline_path, self.run_dir, step)
-            if self.executor.runs_here:
-                check_program(self.spec, self.pipeline_path, self.run_dir, step, argvs[step.name])
+            with _collected(refused):
+                check_inputs(self.spec, self.pipeline_path, self.run_dir, step)
+                if self.executor.runs_here and step.name in argvs:
+                    check_program(self.spec, self.pipeline_path, self.run_dir, step, argvs[step.name])
         options = {s.name: self.spec.executor_options(self.executor.name, s.name) for s in self.spec.steps}
-        self.executor.preflight(self.run_dir, options)
+        with _collected(refused):
+            self.executor.preflight(self.run_dir, options)
+        yield from refused
 
     def _step_pool(self, step: StepSpec) -> int:
         """The most one step's limit may be: the pool, or under a scheduler that admits by memory,
@@ -438,10 +492,9 @@ class Orchestrator:
                     self._steps[n].state in SETTLED_STATES for n in step.spec.needs
                 ):
                     continue
-                fingerprint = step_fingerprint(
-                    self.spec, self.pipeline_path, self.run_dir, step.spec, step.argv
-                )
-                up_to_date, why = check_up_to_date(self.run_dir, step.spec, fingerprint)
+                parts = fingerprint_parts(self.spec, self.pipeline_path, self.run_dir, step.spec, step.argv)
+                earlier = self._ledger.attempts(step.name)
+                up_to_date, why = check_up_to_date(self.run_dir, step.spec, parts, earlier)
                 if up_to_date and step.attempts == 0:
                     self._set_state(step, StepState.SKIPPED, why)
                     self.reporter.skipped(step.name, why)
@@ -458,10 +511,10 @@ class Orchestrator:
                     step.unsubmitted = None  # until it is handed back again: ended, if _submit raises
                     step.unsubmitted = self._submit(step.spec, waiting)
                 else:
+                    if step.attempts == 0 and earlier:  # a retry's note has said why already
+                        self.reporter.note(f"{step.name} runs again: {why}")
                     step.attempts += 1
-                    step.unsubmitted = self._start(
-                        step.spec, step.argv, fingerprint, step.limit, step.limit_reason
-                    )
+                    step.unsubmitted = self._start(step, parts, why)
                 if step.unsubmitted is not None:
                     continue
                 self._set_state(step, StepState.RUNNING)
@@ -514,7 +567,8 @@ class Orchestrator:
             else:
                 step.limit, step.limit_reason = new_limit, why
                 step.state = StepState.PENDING
-                self.reporter.note(f"{step.name}: retrying ({why})")
+                # the new limit and why: in the line that starts the attempt, said once
+                self.reporter.note(f"{step.name}: retrying after {verdict}")
         else:
             self._finish(step, StepState.FAILED, f"{verdict}: {decision.reason}")
 
@@ -624,9 +678,10 @@ class Orchestrator:
             on_line=lambda stream, text, name=step.name: self.reporter.line(name, stream, text),
         )
 
-    def _start(
-        self, step: StepSpec, argv: list[str], fingerprint: str, limit: int, limit_reason: str | None
-    ) -> _Unsubmitted | None:
+    def _start(self, run: _StepRun, parts: dict, run_reason: str) -> _Unsubmitted | None:
+        """Start ``run``'s next attempt, its fingerprint made of ``parts``, for ``run_reason``."""
+        step, argv, limit, limit_reason = run.spec, run.argv, run.limit, run.limit_reason
+        fingerprint = digest(parts)
         step_dir = self.run_dir / step.name
         step_dir.mkdir(parents=True, exist_ok=True)
         invalidate_manifest(step_dir)  # an earlier attempt's manifest must not make this one look complete
@@ -646,6 +701,8 @@ class Orchestrator:
             image=self._image(launch),
             commit_id=self.commit,
             outputs=step.outputs,
+            run_reason=run_reason,
+            fingerprint_parts=parts,
         )
         self.reporter.started(step.name, attempt, limit, limit_reason)
         return self._submit(step, _Unsubmitted(attempt, attempt_id, launch, fingerprint, time.monotonic()))
@@ -736,7 +793,7 @@ class Orchestrator:
                 complete, detail = check_manifest(step_dir, step.outputs)
             except FileNotFoundError as exc:
                 detail = str(exc)
-        decision = decide(outcome, complete, detail)
+        decision = decide(outcome, complete, detail, self._cancelled_by)
         given_back = RESERVE_BYTES if self._ledger.reserve_given_back else 0
         if no_space := no_space_note(step_dir, outcome.log_error, outcome.stderr_tail, given_back):
             decision = Decision(decision.verdict, f"{decision.reason}; {no_space}")

@@ -57,7 +57,7 @@ def free_port() -> int:
 
 def service_argv(pipeline_path: Path, service: ServiceSpec, variables: dict[str, str]) -> list[str]:
     """The service's argv with the runner's variables (its port among them) and its ``env``."""
-    return expand_argv(pipeline_path, f"services ({service.name})", service.command, variables)
+    return expand_argv(pipeline_path, service, variables)
 
 
 def replica_launch(
@@ -145,7 +145,7 @@ def check_placement(
             own = executor.memory_budget(options)
             if service.memory > own.available:
                 raise PipelineError(
-                    f"{pipeline_path}: services ({service.name}).memory: {format_size(service.memory)} "
+                    f"{service.at(pipeline_path, 'memory')}: {format_size(service.memory)} "
                     f"exceeds the {format_size(own.available)} a replica can have (set by {own.binding}); "
                     "lower it, or give the service a partition with larger nodes"
                 )
@@ -154,7 +154,7 @@ def check_placement(
         need = service.memory * service.replicas + max((u.memory for u in users), default=0)
         if need > pool:
             raise PipelineError(
-                f"{pipeline_path}: services ({service.name}): {service.replicas} replica(s) of "
+                f"{service.at(pipeline_path)}: {service.replicas} replica(s) of "
                 f"{format_size(service.memory)} beside its largest user need {format_size(need)}, more "
                 f"than the {format_size(pool)} this host really has (set by {binding}); lower "
                 "its replicas or memory"
@@ -176,7 +176,7 @@ def _check_gpus(
         asked = f"{service.replicas} replica(s) of {service.gpus} need {need}"
     if need > have:
         raise PipelineError(
-            f"{pipeline_path}: services ({service.name}).gpus: {asked}, more than the {have} GPU(s) "
+            f"{service.at(pipeline_path, 'gpus')}: {asked}, more than the {have} GPU(s) "
             f"{where}; lower its gpus or replicas"
         )
 

@@ -16,6 +16,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -46,7 +47,18 @@ MAX_REPLICAS = 64
 MAX_FILE_VALUES = 100_000  # keys, lists and scalars a pipeline file may expand to (its aliases too)
 # A step's or service's folder is named after it beside these: the name must not be one of them.
 RUN_DIR_OWN_NAMES = frozenset({*LEDGER_FILES, REPORT_NAME, STATE_DIR})
-Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _size(value: Any) -> int:
+    """A size as a pipeline file writes it: with its unit (a bare ``memory: 256`` is refused, not
+    read as 256 bytes)."""
+    bare = str(value).strip()
+    if not isinstance(value, bool) and re.fullmatch(r"\d+(\.\d+)?", bare):
+        raise ValueError(f"{bare}: a size needs a unit: write e.g. {bare}MiB or {bare}GiB")
+    return parse_size(value)
+
+
+Size = Annotated[int, BeforeValidator(_size)]
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
@@ -65,6 +77,41 @@ DEFAULT_RETRY_ON = [verdict for verdict in Verdict if verdict in MEMORY_VERDICTS
 
 class PipelineError(ValueError):
     """The pipeline file is wrong; the message names the file and the field."""
+
+
+class _At(ValueError):
+    """A problem the whole pipeline's check finds at ``loc`` (a step's needs, say), not at the top."""
+
+    def __init__(self, loc: tuple[Any, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def _unknown(kind: str, names: list[str], known: list[str]) -> str:
+    """``unknown step 'hgo'; did you mean 'hog'? (steps: hog, after-hog)``."""
+    said = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1)
+        said.append(f"unknown {kind} {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    declared = f"{kind}s: {', '.join(known)}" if known else f"no {kind} is declared"
+    return f"{', '.join(said)} ({declared})"
+
+
+class _Declared(BaseModel):
+    """A step or a service as its file declares it: where (set as the file is read)."""
+
+    _index: int | None = PrivateAttr(None)
+    _lines: dict[str, int] = PrivateAttr(default_factory=dict)
+    """The line of each key it writes; ``""``: its own."""
+
+    def at(self, pipeline_path: Path, key: str = "") -> str:
+        """Where ``key`` of it is written: ``FILE:LINE: steps[0] (hog).memory``."""
+        kind = "services" if isinstance(self, _Service) else "steps"
+        field = f".{key}" if key else ""
+        if self._index is None:  # made in code, not read from a file
+            return f"{pipeline_path}: {kind} ({self.name}){field}"  # type: ignore[attr-defined]
+        line = self._lines.get(key.split("[")[0], self._lines.get(""))
+        return f"{pipeline_path}:{line}: {kind}[{self._index}] ({self.name}){field}"  # type: ignore[attr-defined]
 
 
 class UnknownVariable(KeyError):
@@ -89,7 +136,7 @@ def substitute(text: str, lookup) -> str:
 _EXECUTOR_FIELDS: dict[str, Any] = {name: (executor_class(name).Options | None, None) for name in EXECUTORS}
 
 
-class _Step(BaseModel):
+class _Step(_Declared):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME_RE)
@@ -141,7 +188,7 @@ def _at_least_4mib(value: int) -> int:
     return value
 
 
-class _Service(BaseModel):
+class _Service(_Declared):
     """A server the runner starts before the first step that uses it and stops after the last."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -211,16 +258,13 @@ class _Pipeline(BaseModel):
                 f"{', '.join(taken)}: a name eyrie keeps for its own files in the run directory "
                 f"({', '.join(sorted(RUN_DIR_OWN_NAMES))}), where a step's folder is made; rename it"
             )
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
             if step.name in step.needs:
-                raise ValueError(f"step {step.name!r} needs itself")
-            unknown = [n for n in step.needs if n not in names]
-            if unknown:
-                raise ValueError(f"step {step.name!r} needs unknown step(s) {', '.join(unknown)}")
-            unknown = [n for n in step.uses if n not in services]
-            if unknown:
-                known = f"declared: {', '.join(services)}" if services else "none is declared under services:"
-                raise ValueError(f"step {step.name!r} uses unknown service(s) {', '.join(unknown)} ({known})")
+                raise _At(("steps", i, "needs"), f"step {step.name!r} needs itself")
+            if unknown := [n for n in step.needs if n not in names]:
+                raise _At(("steps", i, "needs"), _unknown("step", unknown, names))
+            if unknown := [n for n in step.uses if n not in services]:
+                raise _At(("steps", i, "uses"), _unknown("service", unknown, services))
         self.order()  # raises on a cycle
         return self
 
@@ -313,7 +357,60 @@ def _location(loc: tuple[Any, ...], raw: Any) -> str:
     return "".join(parts) or "(top level)"
 
 
-def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
+def _value_lines(text: str) -> dict[tuple[Any, ...], int]:
+    """The line each key and list item of the file is written on, by its path (keys and indexes); what
+    an alias (``*name``) repeats is counted once, where it is first written."""
+    lines: dict[tuple[Any, ...], int] = {}
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node, where: tuple[Any, ...]) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    lines[(*where, key.value)] = key.start_mark.line + 1
+                    walk(value, (*where, key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[(*where, i)] = item.start_mark.line + 1
+                walk(item, (*where, i))
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), ())
+    return lines
+
+
+def _where(path: Path, loc: tuple[Any, ...], raw: Any, lines: dict[tuple[Any, ...], int]) -> str:
+    """``FILE:LINE: steps[0] (hog).memory``: the line of ``loc``, or of the nearest block holding it."""
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in lines:
+            return f"{path}:{lines[loc[:end]]}: {_location(loc, raw)}"
+    return f"{path}: {_location(loc, raw)}"
+
+
+def _yaml_problem(path: Path, text: str, exc: yaml.YAMLError) -> str:
+    """What the YAML parser could not read, at its line and column, the line shown with a caret under
+    the column; an indentation that breaks a block said as such (PyYAML's own words name tokens the
+    file does not hold: "expected <block end>, but found '?'")."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return f"{path}: invalid YAML: {problem}"
+    opened = getattr(exc, "context_mark", None)
+    if problem.startswith("expected <block end>") and opened is not None:
+        problem = (
+            f"this line, indented to column {mark.column + 1}, does not continue the block begun at line "
+            f"{opened.line + 1}, column {opened.column + 1}: indent it as the keys or items it belongs with"
+        )
+    shown = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
+    caret = " " * mark.column + "^"
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {problem}\n    {shown}\n    {caret}"
+
+
+def _expand_settings(
+    raw: dict, path: Path, environ: Mapping[str, str], lines: dict[tuple[Any, ...], int]
+) -> dict:
     """Every ``${NAME}`` / ``${NAME:-default}`` in the file's values, from ``environ``.
 
     Settings come from the environment before anything is validated, so a limit, an image
@@ -355,7 +452,7 @@ def _expand_settings(raw: dict, path: Path, environ: Mapping[str, str]) -> dict:
             return substitute(node, lookup)
         except UnknownVariable as exc:
             raise PipelineError(
-                f"{path}: {_location(where, raw)}: unknown variable ${{{exc.args[0]}}}: not set in the "
+                f"{_where(path, where, raw, lines)}: unknown variable ${{{exc.args[0]}}}: not set in the "
                 f"environment; set it, or give a default: ${{{exc.args[0]}:-VALUE}}"
             ) from None
 
@@ -371,7 +468,8 @@ def load_pipeline(path: str | Path, environ: Mapping[str, str] | None = None) ->
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.safe_load(text)
     except FileNotFoundError:
         raise PipelineError(f"{path}: no such pipeline file") from None
     except OSError as exc:
@@ -382,17 +480,23 @@ def load_pipeline(path: str | Path, environ: Mapping[str, str] | None = None) ->
             f"offset {exc.start}); save it as UTF-8"
         ) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise PipelineError(f"{path}{where}: invalid YAML: {problem}") from None
+        raise PipelineError(_yaml_problem(path, text, exc)) from None
     if not isinstance(raw, dict):
         raise PipelineError(f"{path}: expected a mapping with a 'steps' list at the top level")
-    raw = _expand_settings(raw, path, os.environ if environ is None else environ)
+    lines = _value_lines(text)
+    raw = _expand_settings(raw, path, os.environ if environ is None else environ, lines)
     try:
-        return PipelineSpec.model_validate(raw)
+        spec = PipelineSpec.model_validate(raw)
     except ValidationError as exc:
-        raise PipelineError("\n".join(_problems(exc, raw, path))) from None
+        raise PipelineError("\n".join(_problems(exc, raw, path, lines))) from None
+    for kind in ("steps", "services"):
+        for i, item in enumerate(getattr(spec, kind)):
+            item._index = i
+            item._lines = {
+                key[2]: line for key, line in lines.items() if len(key) == 3 and key[:2] == (kind, i)
+            }
+            item._lines[""] = lines.get((kind, i), 0)
+    return spec
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -415,7 +519,7 @@ def _keys_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields) if model else []
 
 
-def _problems(exc: ValidationError, raw: dict, path: Path) -> list[str]:
+def _problems(exc: ValidationError, raw: dict, path: Path, lines: dict[tuple[Any, ...], int]) -> list[str]:
     """One line per problem, naming the file and the key; an unknown key with the valid one it is
     nearest (the misspelled required key then is not said missing too)."""
     suggested: set[tuple[Any, ...]] = set()
@@ -429,7 +533,7 @@ def _problems(exc: ValidationError, raw: dict, path: Path) -> list[str]:
                 unknown[loc] = f"unknown key; did you mean {close[0]!r}?"
             else:
                 unknown[loc] = f"unknown key (known: {', '.join(known)})"
-    lines = []
+    said = []
     for error in exc.errors():
         loc = error["loc"]
         if error["type"] == "missing" and loc in suggested:
@@ -437,5 +541,7 @@ def _problems(exc: ValidationError, raw: dict, path: Path) -> list[str]:
         message = unknown.get(loc) or re.sub(r"^Value error, ", "", error["msg"])
         if error["type"] == "missing":
             message = "required key missing"
-        lines.append(f"{path}: {_location(loc, raw)}: {message}")
-    return lines
+        if isinstance(at := error.get("ctx", {}).get("error"), _At):
+            loc, message = at.loc, str(at)
+        said.append(f"{_where(path, loc, raw, lines)}: {message}")
+    return said

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -254,8 +255,12 @@ def declare_outputs(outputs: list[str | os.PathLike[str]]) -> Manifest:
     return write_manifest(step_dir, names)
 
 
+EXIT_FAILED = 1
+"""The exit status of an eyrie command (or run) that failed for a cause other than its input."""
 EXIT_BAD_INPUT = 2
 """The exit status of every eyrie command refused for its input (an ``error:`` line says why)."""
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""The exit status of a process stopped by SIGINT (Ctrl-C), as a shell reports it: 128 + the signal."""
 
 
 def error_lines(message: str) -> str:

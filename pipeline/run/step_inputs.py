@@ -39,12 +39,12 @@ def expand_command(pipeline_path: Path, run_dir: Path, step: StepSpec) -> list[s
     """The step's argv with the runner's variables and the step's ``env`` expanded
     (settings from the environment were expanded when the file was loaded)."""
     variables = {**runner_env(pipeline_path, run_dir, step), **step.env}
-    return expand_argv(pipeline_path, f"steps ({step.name})", step.command, variables)
+    return expand_argv(pipeline_path, step, variables)
 
 
-def expand_argv(pipeline_path: Path, where: str, command: list[str], variables: dict[str, str]) -> list[str]:
-    """``command`` with each ``${NAME}`` of ``variables`` filled in; a PipelineError naming the
-    file, ``where`` (the step or service) and the variables known for one it cannot fill."""
+def expand_argv(pipeline_path: Path, item: StepSpec | ServiceSpec, variables: dict[str, str]) -> list[str]:
+    """The command of ``item`` (a step or service) with each ``${NAME}`` of ``variables`` filled in;
+    a PipelineError naming where it is written and the variables known for one it cannot fill."""
 
     def lookup(name: str, default: str | None) -> str:
         if variables.get(name):
@@ -56,29 +56,31 @@ def expand_argv(pipeline_path: Path, where: str, command: list[str], variables: 
         raise UnknownVariable(name)
 
     try:
-        argv = [substitute(arg, lookup) for arg in command]
+        argv = [substitute(arg, lookup) for arg in item.command]
     except UnknownVariable as exc:
         raise PipelineError(
-            f"{pipeline_path}: {where}.command: unknown variable ${{{exc.args[0]}}}; "
+            f"{item.at(pipeline_path, 'command')}: unknown variable ${{{exc.args[0]}}}; "
             f"known here: {', '.join(sorted(variables))}"
         ) from None
-    _check_argv_size(pipeline_path, where, argv, {**os.environ, **variables})
+    _check_argv_size(pipeline_path, item, argv, {**os.environ, **variables})
     return argv
 
 
-def _check_argv_size(pipeline_path: Path, where: str, argv: list[str], env: dict[str, str]) -> None:
+def _check_argv_size(
+    pipeline_path: Path, item: StepSpec | ServiceSpec, argv: list[str], env: dict[str, str]
+) -> None:
     """A PipelineError for an argv the kernel would refuse to exec ("Argument list too long")."""
     sizes = [len(os.fsencode(arg)) + 1 for arg in argv]  # as exec counts them: with their NUL
     for i, size in enumerate(sizes):
         if size > MAX_ARG_STRLEN:
             raise PipelineError(
-                f"{pipeline_path}: {where}.command[{i}]: {size:,} bytes, over the {MAX_ARG_STRLEN:,} "
+                f"{item.at(pipeline_path, f'command[{i}]')}: {size:,} bytes, over the {MAX_ARG_STRLEN:,} "
                 "bytes Linux takes in one argument (MAX_ARG_STRLEN); pass it in a file, and its path"
             )
     total = sum(sizes) + sum(len(os.fsencode(f"{k}={v}")) + 1 for k, v in env.items())
     if total > ARG_MAX:
         raise PipelineError(
-            f"{pipeline_path}: {where}.command: {total:,} bytes with its environment, over the "
+            f"{item.at(pipeline_path, 'command')}: {total:,} bytes with its environment, over the "
             f"{ARG_MAX:,} bytes this system takes in a command's arguments (ARG_MAX); pass them in a file"
         )
 
@@ -86,7 +88,7 @@ def _check_argv_size(pipeline_path: Path, where: str, argv: list[str], env: dict
 def missing_input(pipeline_path: Path, step: StepSpec, path: Path) -> PipelineError:
     what = "is not a file" if path.exists() else "does not exist"
     return PipelineError(
-        f"{pipeline_path}: steps ({step.name}).inputs: {path} {what} (inputs are files beside "
+        f"{step.at(pipeline_path, 'inputs')}: {path} {what} (inputs are files beside "
         "the pipeline file, or written by a step it needs: create it or fix the path)"
     )
 
@@ -116,6 +118,5 @@ def check_program(
     if not found:
         where = "no such file" if "/" in program else "not found on the step's PATH"
         raise PipelineError(
-            f"{pipeline_path}: steps ({step.name}).command: {program!r}: {where}; install it, "
-            "or give its full path"
+            f"{step.at(pipeline_path, 'command')}: {program!r}: {where}; install it, or give its full path"
         )

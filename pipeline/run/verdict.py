@@ -61,9 +61,12 @@ class Decision:
     """One line: the evidence that decided the verdict."""
 
 
-def decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
-    """The verdict of an attempt, from what the executor saw and the state of its outputs."""
-    decision = _decide(outcome, outputs_complete, outputs_detail)
+def decide(
+    outcome: Outcome, outputs_complete: bool, outputs_detail: str, cancelled_by: str | None = None
+) -> Decision:
+    """The verdict of an attempt, from what the executor saw and the state of its outputs;
+    ``cancelled_by``: what stopped the run, said when the attempt was cancelled."""
+    decision = _decide(outcome, outputs_complete, outputs_detail, cancelled_by)
     if outcome.evidence is None:
         return decision
     return Decision(decision.verdict, f"{decision.reason} (decided from {outcome.evidence})")
@@ -87,14 +90,17 @@ def decide_service(outcome: Outcome, *, served: bool, not_ready: str | None) -> 
     return decision
 
 
-def _decide(outcome: Outcome, outputs_complete: bool, outputs_detail: str) -> Decision:
+def _decide(
+    outcome: Outcome, outputs_complete: bool, outputs_detail: str, cancelled_by: str | None
+) -> Decision:
     if outcome.runner_error is not None:
         return Decision(Verdict.FAILED, f"the runner lost track of it: {outcome.runner_error}")
     ended = _ending(outcome)
     if outcome.stopped_by == "timeout":
         return Decision(Verdict.TIMED_OUT, f"stopped at its timeout; {ended}")
     if outcome.stopped_by == "cancel":
-        return Decision(Verdict.CANCELLED, f"cancelled; {ended}")
+        by = f" by {cancelled_by}" if cancelled_by else ""
+        return Decision(Verdict.CANCELLED, f"cancelled{by}; {ended}")
     if outcome.stopped_by == "preempted":
         return Decision(Verdict.PREEMPTED, f"the scheduler preempted it for another job; {ended}")
     if outcome.stopped_by == "node_failed":

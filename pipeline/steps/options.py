@@ -83,6 +83,25 @@ ReleaseTarget = Annotated[
 ]
 OutDir = Annotated[Path | None, typer.Option(help="Where outputs go (default: the step dir, else the cwd).")]
 
+CHECK_ONLY = "eyrie.check_only"
+"""Set in a command's context (``ctx.meta``) by ``eyrie run --check``: the step validates its options
+as when it runs, then stops before it reads data or writes (see ``settings_options``). A command's
+callback that honours it carries this name as an attribute, set true."""
+
+
+def checking() -> bool:
+    """Whether ``eyrie run --check`` invoked this command (:data:`CHECK_ONLY`)."""
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    return ctx is not None and bool(ctx.meta.get(CHECK_ONLY))
+
+
+def stop_when_checking() -> None:
+    """End the command here, its options found valid, when ``eyrie run --check`` invoked it."""
+    if checking():
+        raise typer.Exit(0)
+
 
 @dataclasses.dataclass(frozen=True)
 class Cli:
@@ -220,7 +239,9 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def settings_options(model: type[BaseModel]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def settings_options(
+    model: type[BaseModel], *, checks_itself: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a Typer command an option for every field of ``model`` it does not declare itself:
     ``--field-name``, the field's type and default (shown in ``--help``, with its range), its
     docstring as help; a field whose type is a model (a group of settings) gives an option for each
@@ -232,6 +253,10 @@ def settings_options(model: type[BaseModel]) -> Callable[[Callable[..., Any]], C
     field's name; every other value is left to the model, so a settings file can set what the
     command line does not. Fields the command declares itself (a shared option, a value it
     converts) come to it as declared. Numbers are not range-checked here: the model does it.
+
+    Under ``eyrie run --check`` (:data:`CHECK_ONLY`) the command runs only if it ``checks_itself``
+    (validates as it runs, then calls :func:`stop_when_checking`); any other is checked here: its
+    model of the settings given, then it stops.
     """
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -252,10 +277,14 @@ def settings_options(model: type[BaseModel]) -> Callable[[Callable[..., Any]], C
                     group, field, _ = fields[name]
                     into = settings.setdefault(group, {}) if group else settings
                     into[name] = value.split(",") if _is_list(field) else value
+            if not checks_itself and checking():
+                validated(model, **settings)
+                raise typer.Exit(0)
             return command(**{p.name: values[p.name] for p in own}, **settings)
 
         context = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
         with_settings.__signature__ = inspect.Signature([context, *order])  # type: ignore[attr-defined]
+        setattr(with_settings, CHECK_ONLY, True)
         return with_settings
 
     return decorate

@@ -17,7 +17,7 @@ import typer
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.run.step_contract import EXIT_BAD_INPUT, SERVICE_PORT_ENV, say_error
-from pipeline.steps.options import TrustRemoteCode, settings_options, validated
+from pipeline.steps.options import TrustRemoteCode, settings_options, stop_when_checking, validated
 from pipeline.steps.serve import ServeError, transformers_argv, transformers_env
 from pipeline.steps.sglang import Parsers, server_argv
 
@@ -93,7 +93,7 @@ def extra_flags(line: str, argv: list[str]) -> list[str]:
     return extra
 
 
-@settings_options(ServeConfig)
+@settings_options(ServeConfig, checks_itself=True)
 def serve(
     model: Annotated[str, typer.Argument(help="The target: a model folder, or a hub id (sglang).")],
     port: Annotated[
@@ -109,5 +109,6 @@ def serve(
     except ValueError as exc:
         say_error(str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    stop_when_checking()
     print(f"eyrie serve: {shlex.join(argv)}", flush=True)
     os.execvpe(argv[0], argv, env)

@@ -138,6 +138,11 @@ steps:
     limits = [a["limit_bytes"] for a in attempts]
     assert limits == sorted(limits) and limits[-1] >= 120 * 2**20
     assert "after oom_killed" in attempts[1]["limit_reason"]
+    # Each raised limit is said once, in the line that starts the attempt it applies to.
+    assert result.stdout.count("limit raised from") == len(attempts) - 1, result.stdout
+    assert "grows: retrying after oom_killed" in result.stdout
+    # In a pipe the closing line, and the command it suggests, stays one line.
+    assert f"see `eyrie status --run-dir {tmp_path / 'run'}`" in result.stdout.splitlines()[-1]
 
 
 def test_a_step_thrashing_at_its_limit_is_killed_out_of_memory_not_left_to_live_lock(tmp_path):
@@ -542,6 +547,21 @@ def test_status_and_explain_say_a_killed_runner_is_gone(tmp_path):
     pipeline.write_text(pipeline.read_text().replace("sleep]", "succeed]"))
     eyrie("run", str(pipeline), "--run-dir", str(run_dir), check=True)  # ends the orphaned step
     assert "is gone" not in eyrie("status", "--run-dir", str(run_dir), check=True).stdout
+
+
+@pytest.mark.parametrize(
+    "sig,said", [(signal.SIGINT, "Ctrl-C (SIGINT) to eyrie run"), (signal.SIGTERM, "SIGTERM to eyrie run")]
+)
+def test_a_cancelled_attempt_says_what_cancelled_it(tmp_path, sig, said):
+    pipeline = write_pipeline(tmp_path, SLOW_STEP)
+    run_dir = tmp_path / "run"
+    runner, _ = _start_runner(pipeline, run_dir)
+    runner.send_signal(sig)
+    output = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 130, output
+    (attempt,) = attempts_json(run_dir)
+    assert attempt["verdict"] == "cancelled" and attempt["reason"].startswith(f"cancelled by {said}; ")
+    assert f"cancelled by {said}" in eyrie("explain", "slow", "--run-dir", str(run_dir), check=True).stdout
 
 
 def test_sighup_stops_the_run_as_sigterm_does(tmp_path):

@@ -71,8 +71,7 @@ def _active(run_dir: Path) -> list[str]:
 
 def _facts(run_dir: Path) -> dict[str, tuple]:
     return {
-        a["step"]: (a["verdict"], a["exit_code"], a["signal"], a["oom_kills"])
-        for a in attempts_json(run_dir)
+        a["step"]: (a["verdict"], a["exit_code"], a["signal"], a["oom_kills"]) for a in attempts_json(run_dir)
     }
 
 
@@ -111,29 +110,35 @@ def test_slurm_executor_gives_the_local_executors_verdicts(tmp_path):
 
 @pytest.mark.usefixtures("cluster")
 def test_slurms_view_decides_only_when_the_in_job_report_is_missing(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 slurm: {report_wait: 3s}  # no report will come: the runner waits for it only this long
 steps:
   - name: wrapper_killed
     # SIGKILL to the in-job wrapper (the step's parent): the job ends with no report
     command: [sh, -c, "kill -9 $PPID; sleep 5"]
     memory: 64MiB
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     result = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm")
     assert result.returncode == 1, result.stdout + result.stderr
     (attempt,) = attempts_json(run_dir)
     assert (attempt["verdict"], attempt["signal"], attempt["peak_bytes"]) == ("crashed", signal.SIGKILL, None)
     job = attempt["location"].split()[-1]
-    assert f"decided from Slurm's state FAILED, ExitCode 0:9 for job {job} (scontrol; 1 of 1 in-job" in (
-        attempt["reason"]
+    assert (
+        f"decided from Slurm's state FAILED, ExitCode 0:9 for job {job} (scontrol; 1 of 1 in-job"
+        in (attempt["reason"])
     )
     assert not (run_dir / ".eyrie/logs/wrapper_killed/attempt-1.slurm.json").exists()
 
 
 @pytest.mark.usefixtures("cluster")
 def test_sigterm_cancels_the_runs_jobs_and_records_them_cancelled(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: long
     command: [PYTHON, SCENARIO, sleep]
@@ -142,7 +147,8 @@ steps:
     command: [PYTHON, SCENARIO, sleep]
     memory: 64MiB
     slurm: {sbatch_args: [--begin=now+1hour]}   # stays PENDING: cancelled before it ever runs
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
                                str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
@@ -191,7 +197,9 @@ def test_a_killed_runner_finds_its_job_again_and_records_it_without_a_duplicate(
 ):
     if rerun_with == "local":
         request.getfixturevalue("real_cgroups")  # the step after it runs here
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: slow
     command: [sh, -c, "sleep 8; echo done > result.txt"]
@@ -202,7 +210,8 @@ steps:
     memory: 64MiB
     needs: [slow]
     outputs: [result.txt]
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
                               str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.DEVNULL,
@@ -234,14 +243,17 @@ def test_a_preempted_step_runs_again_with_the_same_limit(tmp_path):
     partitions = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True).stdout.split()
     if "low" not in partitions:
         pytest.skip("this cluster has no preemptible partition `low` (.ci/slurm.sh makes one)")
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 slurm: {partition: low, report_wait: 3s}
 steps:
   - name: modest
     command: [sh, -c, "sleep 6; echo done > result.txt"]
     memory: 256MiB
     outputs: [result.txt]
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
                                str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
@@ -266,14 +278,17 @@ steps:
 
 @pytest.mark.usefixtures("cluster")
 def test_a_step_whose_node_failed_runs_again(tmp_path):
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 slurm: {report_wait: 3s}  # a lost node writes no report
 steps:
   - name: steady
     command: [sh, -c, "sleep 6; echo done > result.txt"]
     memory: 64MiB
     outputs: [result.txt]
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     runner = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir",
                                str(run_dir), "--executor", "slurm"], cwd=REPO, stdout=subprocess.PIPE,
@@ -313,7 +328,9 @@ def test_nodes_runs_the_step_through_srun_with_a_torchrun_rendezvous(tmp_path):
         "    open('sum.txt', 'w').write(f\"{int(t.item())} {os.environ['PET_RDZV_ENDPOINT']}\\n\")\n"
         "dist.destroy_process_group()\n"
     )
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 steps:
   - name: ddp
     # torchrun's rendezvous comes from the job's environment (PET_RDZV_*), as for `eyrie train --nnodes`
@@ -326,7 +343,8 @@ steps:
     command: [PYTHON, SCENARIO, oom]
     memory: 96MiB
     slurm: {nodes: 1}
-""")
+""",
+    )
     run_dir = tmp_path / "run"
     result = eyrie("run", str(pipeline), "--run-dir", str(run_dir), "--executor", "slurm")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -346,13 +364,16 @@ steps:
 @pytest.mark.usefixtures("cluster")
 def test_a_run_directory_the_nodes_cannot_see_is_refused_before_anything_runs(tmp_path):
     # .ci/slurm.sh declares a node on another host (down) in partition `elsewhere`
-    pipeline = write_pipeline(tmp_path, """
+    pipeline = write_pipeline(
+        tmp_path,
+        """
 slurm: {partition: elsewhere}
 steps:
   - name: a
     command: [PYTHON, SCENARIO, succeed]
     memory: 64MiB
-""")
+""",
+    )
     partitions = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True).stdout.split()
     if "elsewhere" not in partitions:
         pytest.skip("this cluster has no partition `elsewhere` (.ci/slurm.sh makes one)")
@@ -521,12 +542,14 @@ steps:
 @pytest.mark.parametrize(
     ("asks", "says"),
     [
-        ("memory: 64TiB", "services (web).memory: 64.00 TiB exceeds the"),
-        ("memory: 64MiB\n    gpus: 4096", "services (web).gpus: 4096 per replica, more than the"),
+        ("memory: 64TiB", "services[0] (web).memory: 64.00 TiB exceeds the"),
+        ("memory: 64MiB\n    gpus: 4096", "services[0] (web).gpus: 4096 per replica, more than the"),
     ],
 )
 def test_a_replica_larger_than_any_node_is_refused_before_anything_is_submitted(tmp_path, asks, says):
-    pipeline = write_pipeline(tmp_path, f"""
+    pipeline = write_pipeline(
+        tmp_path,
+        f"""
 services:
   - name: web
     command: [PYTHON, -m, http.server, "${{EYRIE_SERVICE_PORT}}"]
@@ -536,7 +559,8 @@ steps:
     command: ["true"]
     memory: 16MiB
     uses: [web]
-""")
+""",
+    )
     result = eyrie("run", str(pipeline), "--run-dir", str(tmp_path / "run"), "--executor", "slurm")
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()

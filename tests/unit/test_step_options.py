@@ -183,7 +183,8 @@ def test_train_with_no_options_runs_the_settings_defaults_and_leaves_the_file_it
     assert settings_of(calls[2]).layer_ids == [1, 15, 28]
 
 
-def test_train_help_shows_the_settings_defaults():
+def test_train_help_shows_the_settings_defaults(monkeypatch):
+    monkeypatch.setattr(pipeline.cli, "rich_help", lambda: True)  # a wide terminal: one line an option
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     for line in ("--draft-vocab-size", "--ttt-steps", "--max-length"):

@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.steps.options import OutDir, settings_options, validated
+from pipeline.steps.options import OutDir, settings_options, stop_when_checking, validated
 from pipeline.steps.prep.config import PrepConfig
 
 
-@settings_options(PrepConfig)
+@settings_options(PrepConfig, checks_itself=True)
 def prep(
     catalog: Annotated[
         Path | None,
@@ -24,7 +24,8 @@ def prep(
     **settings: Any,
 ) -> None:
     """Sources -> prompts.jsonl, native.jsonl and native_tokenized.parquet, with per-source counts."""
+    config = validated(PrepConfig, **settings)
+    stop_when_checking()
     from pipeline.steps.prep.run import run_prep
 
-    config = validated(PrepConfig, **settings)
     raise typer.Exit(run_prep(catalog, out_dir, **config.model_dump()))

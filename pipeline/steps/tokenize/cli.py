@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.steps.options import OutDir, TrustRemoteCode, settings_options, validated
+from pipeline.steps.options import OutDir, TrustRemoteCode, settings_options, stop_when_checking, validated
 from pipeline.steps.tokenize.config import TokenizeConfig
 
 
-@settings_options(TokenizeConfig)
+@settings_options(TokenizeConfig, checks_itself=True)
 def tokenize(
     tokenizer: Annotated[
         str,
@@ -28,9 +28,10 @@ def tokenize(
     **settings: Any,
 ) -> None:
     """Conversations -> parquet shards of input_ids and an assistant-only loss_mask."""
+    config = validated(TokenizeConfig, **settings)
+    stop_when_checking()
     from pipeline.steps.tokenize.run import run_tokenize
 
-    config = validated(TokenizeConfig, **settings)
     raise typer.Exit(
         run_tokenize(
             tokenizer,

@@ -24,12 +24,25 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, step_dir_from_env, write_manifest
-from pipeline.steps.options import ReleaseTarget, TrustRemoteCode, settings_options, validation_lines
+from pipeline.run.step_contract import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    atomic_write_text,
+    step_dir_from_env,
+    write_manifest,
+)
+from pipeline.steps.options import (
+    ReleaseTarget,
+    TrustRemoteCode,
+    checking,
+    settings_options,
+    stop_when_checking,
+    validation_lines,
+)
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.train.config import TrainConfig
-from pipeline.steps.train.launch import EXIT_FAILED, launch, placement_for_launch, say
+from pipeline.steps.train.launch import launch, placement_for_launch, say
 from pipeline.steps.train.placement import PlacementError
 from pipeline.steps.wrapper import language_config
 
@@ -160,9 +173,48 @@ def worker_main(resolved: Path) -> int:
     return 0
 
 
+def check_settings(cfg: TrainConfig) -> None:
+    """What the settings alone refuse, before any input is read."""
+    if cfg.target_placement == "offline" and cfg.nnodes > 1:
+        raise SettingsError(
+            "--target-placement offline runs on one node (--nnodes 1): its features pass, which every "
+            "process then reads, is written before the workers start"
+        )
+    if cfg.target_placement == "sharded" and cfg.nnodes > 1:
+        raise SettingsError(
+            "--target-placement sharded runs in one process over one node's GPUs: drop --nnodes "
+            "(or use replicated, one copy of the target per process, on several nodes)"
+        )
+
+
+def plan_at_check(cfg: TrainConfig) -> None:
+    """For ``eyrie run --check``: the placement plan training makes at start, from the target's
+    config.json alone (its modules and the draft on the meta device: no weights, no rows; each row
+    taken at --max-length), on this host's devices; a PlacementError when refused. A target whose
+    config.json is not on disk yet (a hub id, a folder a step writes) is planned when train starts."""
+    if not (Path(cfg.target) / "config.json").is_file():
+        return
+    import torch
+
+    from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config
+    from pipeline.steps.train.loop import plan_for
+    from pipeline.steps.train.precision import dtype_of, resolve
+
+    checkpoint = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    config = language_config(checkpoint)
+    layer_ids = cfg.layer_ids or default_layer_ids(config.num_hidden_layers)
+    vocab = min(cfg.draft_vocab_size, config.vocab_size)
+    with torch.device("meta"):
+        draft = Eagle3Draft(draft_config(config, vocab, layer_ids))
+    # As the launcher plans: one process over every GPU, unless each process holds the target.
+    world = cfg.nproc * cfg.nnodes if cfg.target_placement == "replicated" else 1
+    plan_for(cfg, checkpoint, draft, dtype_of(resolve(cfg.precision)), world, cfg.max_length)
+
+
 def check_inputs(cfg: TrainConfig) -> None:
     from pipeline.steps.eagle3.model import check_draftable
 
+    check_settings(cfg)
     if not cfg.data.exists():
         raise SettingsError(f"--data {cfg.data} does not exist (run its step first)")
     try:
@@ -174,16 +226,6 @@ def check_inputs(cfg: TrainConfig) -> None:
         check_draftable(language_config(config))
     except ValueError as exc:
         raise SettingsError(f"--target {cfg.target}: {exc}") from None
-    if cfg.target_placement == "offline" and cfg.nnodes > 1:
-        raise SettingsError(
-            "--target-placement offline runs on one node (--nnodes 1): its features pass, which every "
-            "process then reads, is written before the workers start"
-        )
-    if cfg.target_placement == "sharded" and cfg.nnodes > 1:
-        raise SettingsError(
-            "--target-placement sharded runs in one process over one node's GPUs: drop --nnodes "
-            "(or use replicated, one copy of the target per process, on several nodes)"
-        )
 
 
 def _train_here(cfg: TrainConfig) -> int | None:
@@ -204,8 +246,12 @@ def train_command(config_file: Path | None, **overrides) -> int:
         cfg = load_config(config_file, overrides)
         if cfg.out_dir == Path("."):
             cfg.out_dir = step_dir
+        if checking():
+            check_settings(cfg)
+            plan_at_check(cfg)
+            stop_when_checking()
         check_inputs(cfg)
-    except SettingsError as exc:
+    except bad_input_errors() as exc:
         say(str(exc))
         return EXIT_BAD_INPUT
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,14 +272,19 @@ def train_command(config_file: Path | None, **overrides) -> int:
     report = json.loads((cfg.out_dir / EVAL).read_text())
     outputs = [os.path.relpath(cfg.out_dir / name, step_dir) for name in (DRAFT, EVAL)]
     recorded = (
-        "optimizer_steps", "precision", "attention", "simulated", "speculative_decoding", "target_placement"
+        "optimizer_steps",
+        "precision",
+        "attention",
+        "simulated",
+        "speculative_decoding",
+        "target_placement",
     )
     stats = {k: report[k] for k in recorded}
     write_manifest(step_dir, outputs, stats=stats)
     return 0
 
 
-@settings_options(TrainConfig)
+@settings_options(TrainConfig, checks_itself=True)
 def train(
     config: Annotated[
         Path | None, typer.Option(help="YAML of these settings (names with _); options given here win.")

@@ -40,3 +40,12 @@ def test_running_a_pipeline_says_where_a_secret_goes_and_how_a_long_run_outlives
     assert "by design" in text and "through the step's `env`" in text and "a file the step reads" in text
     for way in ("tmux", "nohup eyrie run", "systemd-run"):
         assert way in text, way
+
+
+def test_the_verdict_table_says_when_a_command_that_wrote_its_outputs_and_aborted_is_crashed():
+    text = section("Reading the ledger")
+    crashed = re.search(r"\| `crashed` \|([^|]*)\|", text).group(1)
+    assert "A plain command that wrote its outputs and then aborted is `crashed` too, not" in crashed
+    assert "no manifest written before it exited" in crashed and "only after exit 0" in crashed
+    completed = re.search(r"\| `completed_then_crashed` \|([^|]*)\|", text).group(1)
+    assert "a manifest the step wrote before it exited" in completed

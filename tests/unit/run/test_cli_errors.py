@@ -37,7 +37,11 @@ def test_a_missing_input_is_refused_before_anything_runs(tmp_path):
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "steps (a).inputs:" in lines[0] and "catalog.yaml does not exist" in lines[0]
+    assert (
+        len(lines) == 1
+        and f"{path}:5: steps[0] (a).inputs:" in lines[0]
+        and "catalog.yaml does not exist" in lines[0]
+    )
     assert not (tmp_path / "run" / "a").exists()
 
 
@@ -84,14 +88,14 @@ def test_a_misspelled_key_is_named_with_the_key_it_is_nearest(tmp_path):
     )
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
-    lines = sorted(line.removeprefix(f"error: {path}: ") for line in result.stderr.splitlines())
+    lines = sorted(line.removeprefix(f"error: {path}:") for line in result.stderr.splitlines())
     assert lines == [
-        "docker.imag: unknown key; did you mean 'image'?",
-        "nme: unknown key; did you mean 'name'?",
-        "steps[0] (a).comand: unknown key; did you mean 'command'?",  # not also "command: missing"
-        "steps[0] (a).docker.colour: unknown key (known: image, shm_size)",
-        "steps[0] (a).slurm.partitoin: unknown key; did you mean 'partition'?",
-        "steps[0] (a).timout: unknown key; did you mean 'timeout'?",
+        "1: nme: unknown key; did you mean 'name'?",
+        "2: docker.imag: unknown key; did you mean 'image'?",
+        "5: steps[0] (a).comand: unknown key; did you mean 'command'?",  # not also "command: missing"
+        "7: steps[0] (a).timout: unknown key; did you mean 'timeout'?",
+        "8: steps[0] (a).slurm.partitoin: unknown key; did you mean 'partition'?",
+        "9: steps[0] (a).docker.colour: unknown key (known: image, shm_size)",
     ], result.stderr
 
 
@@ -100,7 +104,9 @@ def test_a_step_that_needs_itself_is_said_so(tmp_path):
     path.write_text("steps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n    needs: [a]\n")
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {path}: (top level): step 'a' needs itself", result.stderr
+    assert result.stderr.strip() == f"error: {path}:5: steps[0] (a).needs: step 'a' needs itself", (
+        result.stderr
+    )
 
 
 def test_one_step_is_one_step(tmp_path):
@@ -134,7 +140,9 @@ def test_a_command_not_found_is_refused_before_the_run_starts(tmp_path):
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and "steps (b).command: 'eyrie-no-such-program': not found" in lines[0], lines
+    assert (
+        len(lines) == 1 and f"{path}:6: steps[1] (b).command: 'eyrie-no-such-program': not found" in lines[0]
+    ), lines
     assert not (tmp_path / "run").exists()  # `first` never ran
     path.write_text("steps:\n  - name: a\n    command: [/no/such/tool]\n    memory: 64MiB\n")
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
@@ -150,8 +158,8 @@ def test_check_names_each_steps_problem_and_writes_nothing(tmp_path):
     result = eyrie("run", "--check", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        f"error: {path}: steps (train).command: eyrie train: Missing option '--data'.",
-        f"error: {path}: steps (b).command: 'eyrie-no-such-program': not found on the step's PATH; "
+        f"error: {path}:3: steps[0] (train).command: eyrie train: Missing option '--data'.",
+        f"error: {path}:6: steps[1] (b).command: 'eyrie-no-such-program': not found on the step's PATH; "
         "install it, or give its full path",
     ]
     assert not (tmp_path / "run").exists()
@@ -203,7 +211,7 @@ def test_a_command_argument_too_long_to_exec_is_refused_at_check_and_at_start(tm
         assert result.returncode == 2, result.stdout + result.stderr
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1, result.stderr
-        assert f"{path}: steps (a).command[2]: 1,048,577 bytes, over the {limit} bytes" in lines[0]
+        assert f"{path}:3: steps[0] (a).command[2]: 1,048,577 bytes, over the {limit} bytes" in lines[0]
         assert "MAX_ARG_STRLEN" in lines[0]
         assert not (tmp_path / "run").exists()  # nothing made, no cgroup left
 
@@ -220,3 +228,56 @@ def test_a_yaml_alias_bomb_is_refused_within_a_second(tmp_path):
     assert str(info.value).startswith(f"{path}: more than 100,000 values once its YAML aliases")
     result = eyrie("run", str(path), "--check", "--run-dir", str(tmp_path / "run"), timeout=30)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+HOG = "steps:\n  - name: hog\n    command: [true]\n    memory: 64MiB\n"
+
+
+def check_lines(tmp_path, text: str) -> list[str]:
+    """What `eyrie run --check` says of a pipeline file holding ``text``: it exits 2, writes nothing."""
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    result = eyrie("run", "--check", str(path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
+    return [line.removeprefix("error: ") for line in result.stderr.splitlines()]
+
+
+def test_a_size_without_its_unit_is_refused_not_read_as_bytes(tmp_path):
+    lines = check_lines(tmp_path, HOG.replace("64MiB", "256"))
+    assert lines == [f"{tmp_path / 'p.yaml'}:4: steps[0] (hog).memory: 256: a size needs a unit: write e.g. "
+                     "256MiB or 256GiB"]  # fmt: skip
+
+
+def test_a_misspelled_need_is_answered_with_the_step_it_is_nearest(tmp_path):
+    after = "  - name: after-hog\n    command: [true]\n    memory: 64MiB\n    needs: [hgo]\n"
+    lines = check_lines(tmp_path, HOG + after)
+    assert lines == [f"{tmp_path / 'p.yaml'}:8: steps[1] (after-hog).needs: unknown step 'hgo'; did you mean "
+                     "'hog'? (steps: hog, after-hog)"]  # fmt: skip
+
+
+def test_bad_indentation_is_said_at_its_line_and_column_with_the_line_shown(tmp_path):
+    lines = check_lines(tmp_path, HOG.replace("    memory", "  memory"))
+    assert lines[0].startswith(f"{tmp_path / 'p.yaml'}:4:3: invalid YAML: this line, indented to column 3, ")
+    assert "does not continue the block begun at line 2, column 3" in lines[0]
+    assert "<block end>" not in lines[0] and "'?'" not in lines[0]
+    assert lines[1:] == ["      memory: 64MiB", "      ^"]  # the line, and a caret under column 3
+
+
+def test_explain_of_an_attempt_that_does_not_exist_lists_the_steps_attempts(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(HOG)
+    eyrie("run", str(path), "--run-dir", str(tmp_path / "run"), check=True)
+    result = eyrie("explain", "hog", "--attempt", "9", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (
+        result.stderr.strip() == f"error: no attempt 9 of step 'hog' in {tmp_path / 'run'}; its attempts: 1"
+    )
+
+
+def test_the_check_says_ok_on_one_line_in_a_pipe(tmp_path):
+    path = tmp_path / ("a-long-folder-name-" * 4) / "p.yaml"  # past 80 columns
+    path.parent.mkdir()
+    path.write_text(HOG)
+    result = eyrie("run", "--check", str(path), "--run-dir", str(tmp_path / "run"), check=True)
+    assert result.stdout.splitlines() == [f"{path}: ok, 1 step(s)"]

@@ -180,7 +180,8 @@ def test_a_step_runs_again_when_a_setting_it_expands_changes(tmp_path):
     assert run_with({"STEPS": "10"}).skipped_steps == ["train"]  # the default, written out: same argv
     assert run_with({"STEPS": "20"}).skipped_steps == []
     assert [a.launch.argv for a in executor.started("train")] == [
-        ["train", "--steps", "10"], ["train", "--steps", "20"]
+        ["train", "--steps", "10"],
+        ["train", "--steps", "20"],
     ]
 
 
@@ -502,7 +503,9 @@ def test_each_slurm_step_is_checked_against_the_nodes_of_its_own_partition(tmp_p
     runner = Orchestrator(load_pipeline(path), path, tmp_path / "run", slurm.SlurmExecutor(), QuietReporter())
     with pytest.raises(PipelineError) as info:
         runner.run()
-    refused = "steps (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
+    refused = (
+        "steps[1] (prep).memory: 16.00 GiB exceeds the 8.00 GiB a step can have (set by the largest node"
+    )
     assert f"{refused} in Slurm's partition debug" in str(info.value)
     assert fake_slurm.calls("sbatch") == []
 
@@ -528,7 +531,7 @@ def test_a_slurm_replica_asking_for_more_gpus_than_any_node_of_its_partition_has
     # Each replica is a job of its own: 4 replicas of 8 GPUs pass where the largest node has 8.
     assert check(gpus=8, slurm={"partition": "gpu"}) is None
     assert check(gpus=9, slurm={"partition": "gpu"}) == (
-        f"{path}: services (target).gpus: 9 per replica, more than the 8 GPU(s) a node of Slurm's "
+        f"{path}:4: services[0] (target).gpus: 9 per replica, more than the 8 GPU(s) a node of Slurm's "
         "partition gpu has at most (its Gres); lower its gpus or replicas"
     )
     assert "more than the 0 GPU(s) a node of Slurm's partition debug" in check(gpus=1)

@@ -82,9 +82,7 @@ def test_a_service_starts_before_its_user_serves_it_from_every_replica_and_stops
     (ask,) = rows["ask"]
     assert all(r.started_at < ask.started_at and r.ended_at >= ask.ended_at for r in replicas)
     # Each replica answered the user, at the URL the runner gave it.
-    pids = json.loads(
-        next(line for line in result.stdout.splitlines() if "pids" in line).split("pids", 1)[1]
-    )
+    pids = json.loads(next(line for line in result.stdout.splitlines() if "pids" in line).split("pids", 1)[1])
     assert sorted(pids) == sorted(r.pid for r in replicas)
     status = eyrie("status", "--run-dir", str(tmp_path / "run"), check=True).stdout
     assert "web[1]" in status and "web[2]" in status
@@ -224,7 +222,7 @@ USER = {"name": "ask", "command": ["true"], "memory": "16MiB", "uses": ["web"]}
 @pytest.mark.parametrize(
     ("services", "steps", "says"),
     [
-        ([], [USER], "steps[0] (ask): Value error, step 'ask' uses unknown service(s) web (none is declared"),
+        ([], [USER], "steps[0] (ask).uses: unknown service 'web' (no service is declared)"),
         ([web(), web()], [USER], "service names must be unique; repeated: web"),
         ([web(name="ask")], [{**USER, "uses": ["ask"]}], "ask: the name of both a step and a service"),
         ([web(replicas=0)], [USER], "services[0] (web).replicas: Input should be greater than or equal to 1"),
@@ -237,7 +235,7 @@ def test_a_bad_service_definition_is_one_line_naming_the_file_and_key(tmp_path, 
     with pytest.raises(PipelineError) as caught:
         load_pipeline(path)
     (line,) = str(caught.value).splitlines()
-    assert line.startswith(f"{path}: ") and says.removeprefix("steps[0] (ask): Value error, ") in line
+    assert line.startswith(f"{path}:") and says in line
 
 
 def test_replicas_that_cannot_fit_beside_their_user_are_refused_before_anything_starts(
@@ -247,7 +245,7 @@ def test_replicas_that_cannot_fit_beside_their_user_are_refused_before_anything_
     result = eyrie("run", str(path), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "services (web): 64 replica(s) of 64.00 TiB beside its largest user need" in line
+    assert "services[0] (web): 64 replica(s) of 64.00 TiB beside its largest user need" in line
     assert not (tmp_path / "run").exists()  # nothing half-made
 
 
@@ -260,7 +258,7 @@ def test_replicas_asking_for_more_gpus_than_the_host_has_are_refused_before_anyt
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert re.search(
-        r"services \(web\)\.gpus: 64 replica\(s\) of 64 need 4096, more than the \d+ GPU\(s\) this host "
+        r"services\[0\] \(web\)\.gpus: 64 replica\(s\) of 64 need 4096, more than the \d+ GPU\(s\) this host "
         r"has \(its PCI bus\); lower its gpus or replicas",
         line,
     ), line
@@ -343,7 +341,9 @@ def test_a_service_given_a_url_is_an_external_server_nothing_starts_and_its_user
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "TEST_SERVER_URL": "http://elsewhere:8000/"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "run" / "ask" / "urls.txt").read_text() == "http://elsewhere:8000\nhttp://elsewhere:8000"
+    assert (
+        tmp_path / "run" / "ask" / "urls.txt"
+    ).read_text() == "http://elsewhere:8000\nhttp://elsewhere:8000"
     assert set(attempts(tmp_path / "run")) == {"ask"}  # no replica was started
     assert "web: the external server at http://elsewhere:8000; nothing started" in result.stdout
 

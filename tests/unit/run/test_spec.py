@@ -42,7 +42,10 @@ def test_valid_pipeline(tmp_path):
         (("timeout: 30m", "timeout: soon"), r"steps\[0\] \(prep\)\.timeout: invalid duration"),
         (("timeout: 30m", "timeout: 0s"), r"steps\[0\] \(prep\)\.timeout: duration must be positive"),
         (("retries: 2", "retrys: 2"), r"steps\[1\] \(train\)\.retrys: unknown key"),
-        (("needs: [prep]", "needs: [prepp]"), r"needs unknown step\(s\) prepp"),
+        (
+            ("needs: [prep]", "needs: [prepp]"),
+            r"\(train\)\.needs: unknown step 'prepp'; did you mean 'prep'\?",
+        ),
         (("outputs: [prompts.jsonl]", "outputs: [../escape]"), r"must be a relative path"),
         (("name: train", "name: prep"), r"repeated: prep"),
     ],
@@ -120,7 +123,7 @@ def test_a_setting_without_default_must_be_set(tmp_path):
     with pytest.raises(PipelineError) as info:
         load_pipeline(path, environ={})
     assert str(info.value) == (
-        f"{path}: steps[0] (train).gpus: unknown variable ${{GPUS}}: not set in the environment; "
+        f"{path}:6: steps[0] (train).gpus: unknown variable ${{GPUS}}: not set in the environment; "
         "set it, or give a default: ${GPUS:-VALUE}"
     )
     with pytest.raises(PipelineError, match=r"steps\[0\] \(train\)\.gpus: Input should be a valid integer"):
