@@ -32,7 +32,7 @@ from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
 from pipeline.run.liveness import runner_gone
-from pipeline.run.step_contract import EXIT_BAD_INPUT
+from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0
@@ -248,7 +248,7 @@ def follow_command(run_dir: Path | None, runs: Path, json_output: bool, history:
     try:
         return read_run(run_dir, runs, err, read)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _follow_live(ledger: Ledger, run_dir: Path, console: Console, json_output: bool) -> int:

@@ -1,10 +1,13 @@
-"""Each constant once: byte units come from memory/units.py, bad input's exit status from
-run/step_contract.py, an attempt's engine name from run/layout.py."""
+"""Each constant once: byte units come from memory/units.py, the exit statuses eyrie gives
+meaning to (failed, bad input, interrupted) from run/step_contract.py, an attempt's engine name
+from run/layout.py."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
 UNITS = PACKAGE / "memory" / "units.py"
@@ -12,6 +15,8 @@ UNITS = PACKAGE / "memory" / "units.py"
 # exit statuses are nvcc's, read by ninja, not an eyrie command's.
 NVCC_WRAPPER = PACKAGE / "compile" / "nvcc_wrapper.py"
 BYTE_UNITS = {1024**k for k in range(2, 5)}
+EXIT_STATUSES = ("EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED")
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
 
 def _modules(*skip: Path) -> list[tuple[Path, ast.Module]]:
@@ -36,14 +41,35 @@ def _byte_unit(node: ast.AST) -> bool:
     return compute is not None and right < 64 and compute(left, right) in BYTE_UNITS
 
 
-def _exits_2(node: ast.AST) -> bool:
-    """``return 2``, ``raise typer.Exit(2)``, ``sys.exit(2)``."""
+def _exit_values(node: ast.AST) -> list[ast.AST]:
+    """What ``node`` ends with: a ``return``'s value, the status of ``typer.Exit(…)`` or ``sys.exit(…)``."""
     if isinstance(node, ast.Return):
-        return _int(node.value) == 2 if node.value is not None else False
+        return [] if node.value is None else [node.value]
     if isinstance(node, ast.Call) and node.args:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        return name in ("Exit", "exit") and _int(node.args[0]) == 2
-    return False
+        return [node.args[0]] if name in ("Exit", "exit") else []
+    return []
+
+
+def _assigned(node: ast.AST) -> list[ast.AST]:
+    """The names ``node`` assigns: ``A = B = 1`` and ``A: int = 1`` alike."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, ast.AnnAssign) else []
+
+
+def _exits_2(node: ast.AST) -> bool:
+    """``return 2``, ``raise typer.Exit(2)``, ``sys.exit(2)``."""
+    return any(_int(value) == 2 for value in _exit_values(node))
+
+
+def _exits_interrupted(node: ast.AST) -> bool:
+    """A literal 130 anywhere in what ``node`` returns, exits with or assigns: ``return 130``, but also
+    ``{CANCELLED: 130}.get(state, 1)`` and ``STOPPED = 130``, as a second name for it would be."""
+    values = _exit_values(node)
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        values = [node.value]
+    return any(_int(inner) == INTERRUPTED for value in values for inner in ast.walk(value))
 
 
 def test_byte_units_are_defined_in_memory_units_only():
@@ -64,12 +90,25 @@ def test_bad_input_exits_through_the_one_exit_status():
         if _exits_2(node)
     ]
     assert not found, "\n".join(found)
+
+
+def test_an_interrupted_command_exits_through_the_one_exit_status():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)} (use EXIT_INTERRUPTED)"
+        for path, tree in _modules()
+        for node in ast.walk(tree)
+        if _exits_interrupted(node)
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", EXIT_STATUSES)
+def test_each_exit_status_is_defined_once_in_the_step_contract(name):
     definitions = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
         for path, tree in _modules()
         for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and any(getattr(target, "id", "") == "EXIT_BAD_INPUT" for target in node.targets)
+        if any(getattr(target, "id", "") == name for target in _assigned(node))
     ]
     assert len(definitions) == 1 and definitions[0].startswith("pipeline/run/step_contract.py:"), definitions
 

@@ -45,6 +45,7 @@ from rich.console import Console
 
 from pipeline.run.step_contract import (
     EXIT_BAD_INPUT,
+    EXIT_FAILED,
     atomic_write_text,
     say_error,
     step_dir_from_env,
@@ -67,7 +68,6 @@ from pipeline.steps.target import TargetError, check_target, load_tokenizer, tar
 from pipeline.steps.wrapper import language_config
 
 RESULT = "accept.json"
-EXIT_FAILED = 1
 # SpecForge's own benchmark averages per-request means instead: a short answer weighs as much as a long one.
 ACCEPT_LENGTH_IS = "pooled over requests: completion tokens / verifying forwards, as SGLang and vLLM count it"
 Engine = Literal["sglang", "chain"]

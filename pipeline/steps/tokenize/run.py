@@ -50,6 +50,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.memory import parse_size, plan_workers
 from pipeline.run.step_contract import (
     EXIT_BAD_INPUT,
+    EXIT_FAILED,
     atomic_path,
     invalidate_manifest,
     step_dir_from_env,
@@ -784,7 +785,7 @@ def run_tokenize(
     except TokenizeError as exc:
         _print_counts(per_source)
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        return EXIT_BAD_INPUT if isinstance(exc, InputError) else 1
+        return EXIT_BAD_INPUT if isinstance(exc, InputError) else EXIT_FAILED
     _print_counts(per_source)
     totals = Counts()
     for entry in per_source.values():

@@ -13,11 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text
+from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_FAILED, atomic_write_text
 from pipeline.steps.train.config import TrainConfig
 
 RESOLVED = "train_config.json"
-EXIT_FAILED = 1
 
 
 def say(message: str) -> None:
