@@ -10,10 +10,11 @@ comma := ,
 # Recipes and everything they start (pytest, testinfra's ansible-inventory) find the venv's tools first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help venv demo test test-slow lint clean provision verify
+.PHONY: help venv demo cpu test test-slow lint clean provision verify
 
 help:
 	@echo "make demo       run the embedded demo pipeline on this machine, then show its status"
+	@echo "make cpu        run the real job (pipeline/embedded/eagle3.yaml) on this machine's CPU"
 	@echo "make test       run the test suite (default markers: not slow, not host)"
 	@echo "make test-slow  run the slow suites too"
 	@echo "make provision  host=NAME | inventory=FILE [check=1] [tags=docker,...]: provision GPU hosts"
@@ -38,6 +39,18 @@ demo: venv
 	$(EYRIE) status --run-dir $(RUN_DIR)
 	@echo "next: eyrie is $(EYRIE) (not on PATH): $(EYRIE) explain train --run-dir $(RUN_DIR),"
 	@echo "      or put it on PATH for this shell: source $(VENV)/bin/activate"
+
+# The real job with the local executor on this machine's CPU: compose/cpu.env's settings (the ones
+# compose's CPU override and the tests read), each already in the environment or given to make
+# (`make cpu EYRIE_MAX_STEPS=12`) kept, as compose keeps the shell's over its --env-file; the
+# target (unless EYRIE_TARGET_MODEL names one) the tiny one, made from the bundled samples once.
+# sed writes each NAME=value line as NAME="${NAME-value}": a value already set is the one kept.
+CPU_RUN_DIR ?= runs/cpu
+cpu: venv
+	set -a && eval "$$(sed -n 's/^\([A-Z_][A-Z0-9_]*\)=\(.*\)$$/\1="$${\1-\2}"/p' compose/cpu.env)" && set +a && \
+	EYRIE_TARGET_MODEL="$${EYRIE_TARGET_MODEL:-$$($(PY) -c 'from pipeline.embedded.tiny import ensure_tiny_target as t; print(t())')}" \
+	$(EYRIE) run pipeline/embedded/eagle3.yaml --run-dir $(CPU_RUN_DIR)
+	$(EYRIE) status --run-dir $(CPU_RUN_DIR)
 
 test: venv
 	$(VENV)/bin/pytest

@@ -40,7 +40,9 @@ from pipeline.steps.eagle3.model import aux_layer_ids
 # The first test builds the images (cold: several minutes on 2 cores); later ones reuse them.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 IMAGE = "eyrie-pipeline:local"
-COMPOSE = ["docker", "compose", "-f", "compose/compose.yaml", "-f", "compose/compose.cpu.yaml"]
+# The README's command for a CPU: the override's settings are compose/cpu.env, the tests' own.
+COMPOSE = ["docker", "compose", "--env-file", "compose/cpu.env", "-f", "compose/compose.yaml", "-f",
+           "compose/compose.cpu.yaml"]  # fmt: skip
 IMAGE_UID = 10001  # the pipeline image's user (images/pipeline/Dockerfile)
 
 
@@ -81,8 +83,7 @@ def _eyrie_docker(*args: str, timeout: float = 600) -> subprocess.CompletedProce
 
 def _facts(run_dir: Path) -> dict[str, tuple]:
     return {
-        a["step"]: (a["verdict"], a["exit_code"], a["signal"], a["oom_kills"])
-        for a in attempts_json(run_dir)
+        a["step"]: (a["verdict"], a["exit_code"], a["signal"], a["oom_kills"]) for a in attempts_json(run_dir)
     }
 
 

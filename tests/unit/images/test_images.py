@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyrie_testing import REPO
+from eyrie_testing import CPU_ENV, REAL_JOB_CPU_SETTINGS, REPO
+from pipeline.memory import parse_size
 from pipeline.run.spec import load_pipeline
 
 DOCKERFILES = sorted((REPO / "images").glob("*/Dockerfile"))
@@ -38,17 +39,7 @@ def test_dockerfile_takes_a_pinned_base_as_build_arg_and_runs_as_non_root(docker
 
 
 def test_compose_files_merge_into_a_cpu_pipeline():
-    if shutil.which("docker") is None:
-        pytest.skip("the docker command line is not installed")
-    result = subprocess.run(
-        ["docker", "compose", "-f", "compose/compose.yaml", "-f", "compose/compose.cpu.yaml",
-         "config", "--format", "json"],
-        capture_output=True, text=True, cwd=REPO, env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
-    )  # fmt: skip
-    if "is not a docker command" in result.stderr:
-        pytest.skip("the Compose v2 plugin is not installed")
-    assert result.returncode == 0, result.stderr
-    services = yaml.safe_load(result.stdout)["services"]
+    services = _compose_config("compose/compose.yaml", "compose/compose.cpu.yaml", env_file=CPU_ENV)
     pipeline, target = services["pipeline"], services["sglang"]
     assert pipeline["command"][:1] == ["run"] and "docker" in pipeline["command"]
     assert pipeline["depends_on"]["sglang"]["condition"] == "service_healthy"
@@ -69,14 +60,21 @@ def test_gpu_compose_reserves_gpus_and_publishes_nothing():
         assert service["mem_limit"] == service["memswap_limit"], "a service never swaps"
 
 
-def _compose_config(*files: str, environ: dict[str, str] | None = None) -> dict:
+def _compose_run(*files: str, env_file: Path | None = None, environ: dict[str, str] | None = None):
+    """`docker compose [--env-file ENV_FILE] -f FILE… config` in a bare environment (``environ`` on top)."""
     if shutil.which("docker") is None:
         pytest.skip("the docker command line is not installed")
-    argv = ["docker", "compose"] + [arg for f in files for arg in ("-f", f)] + ["config", "--format", "json"]
+    argv = ["docker", "compose", *(["--env-file", str(env_file)] if env_file else [])]
+    argv += [arg for f in files for arg in ("-f", f)] + ["config", "--format", "json"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **(environ or {})}
     result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env)
     if "is not a docker command" in result.stderr:
         pytest.skip("the Compose v2 plugin is not installed")
+    return result
+
+
+def _compose_config(*files: str, env_file: Path | None = None, environ: dict[str, str] | None = None) -> dict:
+    result = _compose_run(*files, env_file=env_file, environ=environ)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)["services"]
 
@@ -90,12 +88,14 @@ def _pipeline_as_run_by(service: dict):
 
 def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
     gpu = _compose_config("compose/compose.yaml")
-    cpu = _compose_config("compose/compose.yaml", "compose/compose.cpu.yaml")
+    cpu = _compose_config("compose/compose.yaml", "compose/compose.cpu.yaml", env_file=CPU_ENV)
     assert gpu["pipeline"]["command"][1] == cpu["pipeline"]["command"][1] == "/pipeline/eagle3.yaml"
     on_gpu, on_cpu = _pipeline_as_run_by(gpu["pipeline"]), _pipeline_as_run_by(cpu["pipeline"])
-    assert [s.name for s in on_gpu.steps] == [s.name for s in on_cpu.steps] == [
-        "prep", "generate", "tokenize", "train", "accept"
-    ]
+    assert (
+        [s.name for s in on_gpu.steps]
+        == [s.name for s in on_cpu.steps]
+        == ["prep", "generate", "tokenize", "train", "accept"]
+    )
     # the GPU host: the target SGLang serves is the one trained for, on every GPU
     model = gpu["sglang"]["command"][gpu["sglang"]["command"].index("--model-path") + 1]
     assert on_gpu.step("train").command[on_gpu.step("train").command.index("--target") + 1] == model
@@ -123,6 +123,34 @@ def test_gpu_host_and_cpu_override_run_the_same_real_pipeline_file():
         assert accept[accept.index(flag) + 1] == shell["sglang"]["environment"][name] == "kimi_k2"
     unset = on_gpu.step("accept").command
     assert unset[unset.index("--reasoning-parser") + 1] == unset[unset.index("--tool-call-parser") + 1] == ""
+
+
+def test_the_cpu_override_runs_on_cpu_env_and_states_none_of_its_settings():
+    """compose/cpu.env, the file `make cpu` and the tests read, is where compose's CPU run takes its
+    settings from; compose.cpu.yaml repeats none of them, and without that file compose says so."""
+    files = ("compose/compose.yaml", "compose/compose.cpu.yaml")
+    services = _compose_config(*files, env_file=CPU_ENV)
+    pipeline, target = services["pipeline"]["environment"], services["sglang"]
+    # compose's own server answers instead of the file's target service: its URL is compose's, and
+    # what only that service and its process read stays out of the pipeline's containers
+    expected = {**REAL_JOB_CPU_SETTINGS, "EYRIE_TARGET_URL": "http://sglang:30000"}
+    assert {name: pipeline[name] for name in expected if name in pipeline} == {
+        name: value for name, value in expected.items() if name in pipeline
+    }
+    assert set(expected) - set(pipeline) == {"EYRIE_TARGET_ENGINE", "EYRIE_TARGET_MEMORY", "OMP_NUM_THREADS"}
+    limit = parse_size(REAL_JOB_CPU_SETTINGS["EYRIE_TARGET_MEMORY"])  # the file's own target service's
+    assert int(target["mem_limit"]) == int(target["memswap_limit"]) == limit
+    assert target["environment"]["HF_HUB_OFFLINE"] == REAL_JOB_CPU_SETTINGS["HF_HUB_OFFLINE"]
+    # a setting in the shell still wins over the file, as compose.cpu.yaml says
+    shell = _compose_config(*files, env_file=CPU_ENV, environ={"EYRIE_MAX_STEPS": "12"})
+    assert shell["pipeline"]["environment"]["EYRIE_MAX_STEPS"] == "12"
+    # no value of the file written again in the override
+    override = (REPO / "compose" / "compose.cpu.yaml").read_text()  # compose's own tags: not plain YAML
+    given = dict(re.findall(r"^ +(\w+): *(\S.*)$", override, re.M))
+    assert not set(given) & set(REAL_JOB_CPU_SETTINGS), given
+    # the override without the file stops before anything starts, naming it
+    bare = _compose_run(*files)
+    assert bare.returncode != 0 and "--env-file compose/cpu.env" in bare.stderr, bare.stderr
 
 
 def test_compose_passes_the_token_as_a_file_and_sets_no_socket_group_by_hand():
