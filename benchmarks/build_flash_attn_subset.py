@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, required=True)
     parser.add_argument("--files", default=",".join(DEFAULT_FILES))
     parser.add_argument("--budget", default="11.75GiB")
-    parser.add_argument("--max-jobs", default="2,1", help="fixed MAX_JOBS values in order (\"\": none)")
+    parser.add_argument("--max-jobs", default="2,1", help='fixed MAX_JOBS values in order ("": none)')
     parser.add_argument("--arch", default="120", help="FLASH_ATTN_CUDA_ARCHS, e.g. '100;120'")
     parser.add_argument("--threads", type=int, default=1, help="NVCC_THREADS")
     parser.add_argument("--python", default=sys.executable, help="a Python with a CUDA build of torch")

@@ -52,15 +52,15 @@ def build_flash_attn(
     threads: Annotated[
         str, typer.Option(metavar="auto|N", help="nvcc --threads: 'auto' ($NVCC_THREADS if set), or N.")
     ] = "auto",
-    out_dir: Annotated[
-        Path, typer.Option(help="Wheel cache (and sources) directory.")
-    ] = Path(".eyrie/wheels"),
+    out_dir: Annotated[Path, typer.Option(help="Wheel cache (and sources) directory.")] = Path(
+        ".eyrie/wheels"
+    ),
     run_dir: Annotated[Path | None, typer.Option(help="Ledger of the compile jobs.")] = None,
     python: Annotated[str | None, typer.Option(help="Python whose torch to build against.")] = None,
     cuda_home: Annotated[str | None, typer.Option(help="CUDA toolkit root (default $CUDA_HOME).")] = None,
-    headroom: Annotated[
-        str, typer.Option(metavar="SIZE", help="Kept out of an auto budget.")
-    ] = format_size(DEFAULT_HEADROOM),
+    headroom: Annotated[str, typer.Option(metavar="SIZE", help="Kept out of an auto budget.")] = format_size(
+        DEFAULT_HEADROOM
+    ),
     cpus: Annotated[
         int | None, typer.Option(help="CPU slots (default: this process's CPUs; $MAX_JOBS caps the jobs).")
     ] = None,

@@ -24,7 +24,7 @@ from pipeline.run.ledger import Ledger
 MiB = 2**20
 PKG = "stand-in 1.0"
 FLAGS = "-gencode arch=compute_120,code=sm_120 --threads 1"
-STAND_IN_COMPILER = '''
+STAND_IN_COMPILER = """
 import sys, time
 source, out = sys.argv[sys.argv.index("-c") + 1], sys.argv[sys.argv.index("-o") + 1]
 for phase in open(source).read().split(";"):
@@ -35,7 +35,7 @@ for phase in open(source).read().split(";"):
     time.sleep(seconds)
     del held
 open(out, "w").write("object")
-'''
+"""
 # 600 MiB for 4 s, then 40 MiB for 8 s: measured shape of a peak, then a long low tail.
 PEAK_THEN_TAIL = "600 4;40 8"
 SHAPE = [0.6, 1.0, 1.0, 1.0] + [0.15] * 8

@@ -58,8 +58,12 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ("--archs", "75;120", "--archs '75;120': flash-attn builds only 80;90;100;120"),
         ("--budget", "64GiB", "--budget '64GiB' is more than this process has: 20.00 GiB"),
         # 3.32 GiB with nvcc 13.0, 3.13 with 13.1: the nearest toolchain's figure stands for 99.9's.
-        ("--budget", "1GiB", "budget 1.00 GiB is below the expected peak of one job: "
-                             "flash_fwd_hdim32_fp16_sm80.cu needs 3.13 GiB for sm 120"),
+        (
+            "--budget",
+            "1GiB",
+            "budget 1.00 GiB is below the expected peak of one job: "
+            "flash_fwd_hdim32_fp16_sm80.cu needs 3.13 GiB for sm 120",
+        ),
     ],
 )
 def test_a_wrong_option_or_file_is_one_line_naming_it(tmp_path: Path, build, option: str, value: str,

@@ -51,7 +51,10 @@ def test_the_command_line_lists_the_registered_executors():
 
 
 def test_options_of_the_pipeline_and_of_a_step_merge_under_the_executors_name(tmp_path):
-    spec = load_pipeline(write(tmp_path, """
+    spec = load_pipeline(
+        write(
+            tmp_path,
+            """
 slurm: {partition: gpu, account: ml, sbatch_args: [--qos=high]}
 docker: {image: eyrie-pipeline:site}
 steps:
@@ -64,7 +67,9 @@ steps:
     gpus: 8
     slurm: {partition: long, nodes: 2}
     docker: {image: eyrie-pipeline:train}
-"""))
+""",
+        )
+    )
     assert spec.executor_options("slurm", "prep") == SlurmOptions(partition="gpu", account="ml",
                                                                   sbatch_args=["--qos=high"])  # fmt: skip
     assert spec.executor_options("slurm", "train") == SlurmOptions(

@@ -166,8 +166,7 @@ def test_resolved_settings_round_trip(tmp_path, inputs):
 
 def test_an_unknown_placement_is_one_line_naming_the_choices(inputs):
     assert settings_error(None, {**inputs, "target_placement": "spread"}) == (
-        "--target-placement: Input should be 'auto', 'replicated', 'sharded' or "
-        "'offline', got 'spread'"
+        "--target-placement: Input should be 'auto', 'replicated', 'sharded' or 'offline', got 'spread'"
     )
     with pytest.raises(SettingsError, match=r"^--target-placement offline runs on one node \(--nnodes 1\)"):
         check_inputs(TrainConfig(**inputs, target_placement="offline", nnodes=2))
