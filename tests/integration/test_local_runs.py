@@ -494,10 +494,12 @@ steps:
     assert [a["step"] for a in attempts_json(run_dir)] == ["gen", "use"] * 3
 
 
-def _start_runner(pipeline: Path, run_dir: Path) -> tuple[subprocess.Popen, int]:
-    """`eyrie run` until its step runs: the runner and the step's pid."""
+def _start_runner(
+    pipeline: Path, run_dir: Path, wrapper: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, int]:
+    """`eyrie run` (under ``wrapper``, e.g. nohup) until its step runs: the runner and the step's pid."""
     runner = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+        [*wrapper, sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 30
@@ -582,13 +584,7 @@ def test_sighup_stops_the_run_as_sigterm_does(tmp_path):
 def test_under_nohup_sighup_leaves_the_run_going(tmp_path):
     pipeline = write_pipeline(tmp_path, SLOW_STEP.replace("sleep]", "hold, '10', '3']"))
     run_dir = tmp_path / "run"
-    runner = subprocess.Popen(
-        ["nohup", sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    for line in runner.stdout:
-        if "▶ attempt 1" in line:
-            break
+    runner, _ = _start_runner(pipeline, run_dir, wrapper=("nohup",))
     runner.send_signal(signal.SIGHUP)
     output = runner.communicate(timeout=60)[0]
     assert runner.returncode == 0, output
