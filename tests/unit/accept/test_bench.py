@@ -96,14 +96,19 @@ def test_mtbench_and_humaneval_end_to_end_each_set_on_its_own(inputs, tmp_path):
     assert "mtbench: accept length" in said and "humaneval: accept length" in said and "all sets" in said
 
 
+def bench_settings(inputs, engine: str, prompts: int, bench: list[str]) -> measure.Settings:
+    """accept's settings for ``bench`` on the test's draft and target, small and quick."""
+    return measure.Settings(
+        draft=inputs["draft"], target=str(inputs["target"]), data=None, engine=engine,
+        speculation=measure.Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.1, max_length=64,
+        prompts=prompts, max_new_tokens=6, concurrency=1, tp=1, trust_remote_code=False, release_target=None,
+        startup_timeout_s=1, request_timeout_s=1, bench=bench,
+    )  # fmt: skip
+
+
 def test_the_prompts_are_the_benchmarks_rendered_with_the_targets_chat_template(inputs):
     """MT-bench's first turn and HumanEval's prompt as given, each as the user's message."""
-    settings = measure.Settings(
-        draft=inputs["draft"], target=str(inputs["target"]), data=None, engine="chain",
-        speculation=measure.Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.1, max_length=64,
-        prompts=3, max_new_tokens=6, concurrency=1, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=1, request_timeout_s=1, bench=["humaneval", "mtbench"],
-    )  # fmt: skip
+    settings = bench_settings(inputs, "chain", 3, ["humaneval", "mtbench"])
     sets = measure.prompt_sets(settings)
     assert list(sets) == ["humaneval", "mtbench"] and all(len(p) == 3 for p in sets.values())
     tokenizer = AutoTokenizer.from_pretrained(inputs["target"])
@@ -217,12 +222,7 @@ def test_the_sets_reach_sglang_rendered_and_are_counted_per_set(inputs, tmp_path
     assert {name: figures["accept_length"] for name, figures in report["sets"].items()} == {
         "mtbench": 2.5, "humaneval": 2.5
     }  # fmt: skip
-    settings = measure.Settings(
-        draft=inputs["draft"], target=str(inputs["target"]), data=None, engine="sglang",
-        speculation=measure.Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.1, max_length=64,
-        prompts=2, max_new_tokens=6, concurrency=1, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=1, request_timeout_s=1, bench=["mtbench", "humaneval"],
-    )  # fmt: skip
+    settings = bench_settings(inputs, "sglang", 2, ["mtbench", "humaneval"])
     prompts = [p for ps in measure.prompt_sets(settings).values() for p in ps]
     # each set's warm-up, then its prompts; on the server with the draft, then without
     assert sorted(map(tuple, sent)) == sorted(map(tuple, [*prompts, prompts[0], prompts[2]] * 2))
