@@ -74,6 +74,37 @@ def attempts_json(run_dir: Path) -> list[dict]:
     return json.loads(eyrie("status", "--run-dir", str(run_dir), "--json", check=True).stdout)
 
 
+# -- the documentation pages (docs/, built by mkdocs.yml) ---------------------------------------
+DOCS = REPO / "docs"
+
+
+def docs_page(name: str) -> str:
+    """The text of the page ``docs/NAME.md`` (``name``: "ledger", "steps/train", …)."""
+    return (DOCS / f"{name}.md").read_text(encoding="utf-8")
+
+
+def docs_text() -> str:
+    """Every page's text, one after another: where an example is, not which page, is what matters."""
+    return "\n".join(path.read_text(encoding="utf-8") for path in sorted(DOCS.rglob("*.md")))
+
+
+def docs_section(name: str, title: str) -> str:
+    """The text under the heading ``title`` of page ``name``, up to the next heading of its level or
+    above (or the page's end); ``#`` lines in code blocks are no headings."""
+    lines, fence, level, found = docs_page(name).splitlines(), False, 0, []
+    for line in lines:
+        fence = fence != line.startswith("```")
+        heading = None if fence or line.startswith("```") else re.match(r"^(#+) (.*)$", line)
+        if heading and level and len(heading.group(1)) <= level:
+            break
+        if level:
+            found.append(line)
+        elif heading and heading.group(2) == title:
+            level = len(heading.group(1))
+    assert level, f"docs/{name}.md has no section {title!r}"
+    return "\n".join(found) + "\n"
+
+
 # -- the real job on CPU settings ---------------------------------------------------------------
 REAL_JOB = REPO / "pipeline" / "embedded" / "eagle3.yaml"
 CPU_ENV = REPO / "compose" / "cpu.env"

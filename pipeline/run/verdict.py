@@ -1,4 +1,4 @@
-"""One verdict per attempt, decided from evidence (README.md, "Reading the ledger").
+"""One verdict per attempt, decided from evidence (docs/ledger.md, "Reading the ledger").
 
 Exit 137 is not evidence of an OOM kill, and neither is Docker's OOMKilled
 flag: only the cgroup's OOM-kill counter rising during the attempt is, or the

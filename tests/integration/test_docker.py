@@ -40,7 +40,7 @@ from pipeline.steps.eagle3.model import aux_layer_ids
 # The first test builds the images (cold: several minutes on 2 cores); later ones reuse them.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 IMAGE = "eyrie-pipeline:local"
-# The README's command for a CPU: the override's settings are compose/cpu.env, the tests' own.
+# The command for a CPU (docs/gpu-host.md): the override's settings are compose/cpu.env, the tests' own.
 COMPOSE = ["docker", "compose", "--env-file", "compose/cpu.env", "-f", "compose/compose.yaml", "-f",
            "compose/compose.cpu.yaml"]  # fmt: skip
 IMAGE_UID = 10001  # the pipeline image's user (images/pipeline/Dockerfile)
@@ -283,12 +283,12 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
     for path in [runs, *runs.rglob("*")]:
         os.chown(path, IMAGE_UID, IMAGE_UID)  # the containers run as the image's user
     project = f"eyrie-test-{uuid.uuid4().hex[:8]}"
-    # A token file for the secret, readable by the images' user as the README says.
+    # A token file for the secret, readable by the images' user as docs/gpu-host.md says.
     token = tmp_path / "hf_token"
     token.write_text("hf_eyrie_compose_token\n")
     os.chown(token, 0, IMAGE_UID)
     token.chmod(0o640)
-    # As the README's commands run: nothing tells compose the socket's group.
+    # As the documented commands run: nothing tells compose the socket's group.
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("EYRIE_") and k != "DOCKER_GID"},
         "EYRIE_RUNS": str(runs),

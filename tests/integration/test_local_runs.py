@@ -593,7 +593,7 @@ def test_under_nohup_sighup_leaves_the_run_going(tmp_path):
 
 
 def test_a_secret_given_through_env_stays_out_of_the_ledger_and_the_report(tmp_path):
-    """As README's "Running a pipeline" says: a ${NAME} in `command` is the argv, kept in the ledger
+    """As docs/running.md says: a ${NAME} in `command` is the argv, kept in the ledger
     by design; one in `env` reaches the step and nothing eyrie keeps."""
     secret = f"s3cr3t-{os.getpid()}"
     pipeline = write_pipeline(

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from eyrie_testing import REPO
+from eyrie_testing import REPO, docs_page
 from pipeline.memory.units import parse_size
 from pipeline.steps.sglang import Parsers, Speculation, server_argv
 
@@ -145,16 +145,16 @@ def test_the_compose_servers_flags(tmp_path):
     assert args.reasoning_parser is None and args.tool_call_parser is None  # empty: not passed
 
 
-def _readme_kimi_k25_settings() -> dict[str, str]:
-    """The settings of README.md's block that runs the real job on Kimi-K2.5."""
-    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+def _docs_kimi_k25_settings() -> dict[str, str]:
+    """The settings of the block that runs the real job on Kimi-K2.5 (docs/gpu-host.md)."""
+    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
                 if "export EYRIE_TARGET_MODEL=moonshotai/Kimi-K2.5" in b]  # fmt: skip
     return dict(re.findall(r"^export (EYRIE_\w+)=(\S+)", block, re.M))
 
 
 def test_the_compose_server_serves_kimi_k25(tmp_path):
-    """README.md's settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
-    shell = _readme_kimi_k25_settings()
+    """The documented settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
+    shell = _docs_kimi_k25_settings()
     assert (shell["EYRIE_REASONING_PARSER"], shell["EYRIE_TOOL_CALL_PARSER"]) == (
         KIMI_K25_PARSERS.reasoning, KIMI_K25_PARSERS.tool_call
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The verdict table (README.md, "Reading the ledger"), decided from evidence alone."""
+"""The verdict table (docs/ledger.md, "Reading the ledger"), decided from evidence alone."""
 
 import signal
 

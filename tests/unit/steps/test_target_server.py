@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from eyrie_testing import REPO
+from eyrie_testing import REPO, docs_page
 from pipeline.cli import app
 from pipeline.run.spec import load_pipeline
 from pipeline.steps.target_server import ServeConfig, server_command
@@ -68,9 +68,10 @@ def test_what_cannot_be_served_is_one_line(args, says):
     assert len(lines) == 1 and says in lines[0], result.output
 
 
-def _readme_glm5_settings() -> dict[str, str]:
-    """The settings of README.md's block that runs the real job on GLM-5-NVFP4, as its shell reads them."""
-    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+def _docs_glm5_settings() -> dict[str, str]:
+    """The settings of the block that runs the real job on GLM-5-NVFP4 (docs/gpu-host.md), as its shell
+    reads them."""
+    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
                 if "GLM-5-NVFP4" in b and "export EYRIE_TARGET_MODEL=" in b]  # fmt: skip
     return {
         name: shlex.split(value)[0] for name, value in re.findall(r'^export (\w+)=("[^"]*"|\S+)', block, re.M)
@@ -98,10 +99,10 @@ def test_a_flag_the_pinned_release_would_refuse_is_caught(flags):
         parse(argv)
 
 
-def test_the_readme_serves_glm5_nvfp4_as_its_users_do():
-    """README.md's GLM-5-NVFP4 block: its flags are ones the pinned release has, with the values its
+def test_the_docs_serve_glm5_nvfp4_as_its_users_do():
+    """The documented GLM-5-NVFP4 block: its flags are ones the pinned release has, with the values its
     users give them on sm_120 (an FP8 KV cache there produces garbage), and its MTP head."""
-    shell = _readme_glm5_settings()
+    shell = _docs_glm5_settings()
     config = ServeConfig(
         tp=8,
         reasoning_parser=shell["EYRIE_REASONING_PARSER"],
@@ -153,8 +154,8 @@ def test_composes_sglang_service_appends_the_setting_split_at_spaces(tmp_path):
 
 
 def test_the_compose_server_serves_glm5_nvfp4(tmp_path):
-    """README.md's GLM-5-NVFP4 block through compose: its flags reach SGLang, its MTP switch too."""
-    shell = _readme_glm5_settings()
+    """The documented GLM-5-NVFP4 block through compose: its flags reach SGLang, its MTP switch too."""
+    shell = _docs_glm5_settings()
     service = _compose_service("sglang", shell)
     args = parse(_served_argv(service, tmp_path))
     assert args.quantization == "modelopt_fp4" and args.kv_cache_dtype == "bf16"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, DeepseekV3Config
 
 from benchmarks.placement_arithmetic import KIMI_K25_RELEASE, kimi_plan
+from eyrie_testing import docs_page
 from pipeline.steps.train.placement import Device, PlacementError
 
 GiB = 1024**3
@@ -79,16 +79,16 @@ def test_the_planner_accepts_kimi_k25_on_the_seeds_host_sharded_and_offline():
         kimi_plan("sharded", dequantize=True)
 
 
-def readme_kimi_block() -> dict[str, str]:
-    """The settings the README's Kimi-K2.5 block exports, as written."""
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+def docs_kimi_block() -> dict[str, str]:
+    """The settings the Kimi-K2.5 block of docs/gpu-host.md exports, as written."""
+    text = docs_page("gpu-host")
     opening = text.index("```", text.index("The real job on Kimi-K2.5"))
     block = text[opening + 3 : text.index("```", opening + 3)]
     return dict(re.findall(r"^export (\w+)=(\S+)", block, flags=re.M))
 
 
-def test_the_readme_block_as_written_passes_the_planner_at_its_own_length():
-    settings = readme_kimi_block()
+def test_the_docs_block_as_written_passes_the_planner_at_its_own_length():
+    settings = docs_kimi_block()
     length = int(settings["EYRIE_MAX_LENGTH"])  # stated, not left to the pipeline's default
     assert length >= 4096
     result, _ = kimi_plan(settings["EYRIE_TARGET_PLACEMENT"], length)

@@ -1,4 +1,4 @@
-"""README's commands for the real job on a CPU read its settings from compose/cpu.env, the file the
+"""The documentation's commands for the real job on a CPU read its settings from compose/cpu.env, the file the
 tests' CPU runs read: compose's as its --env-file, and the one command without Docker, `make cpu`,
 which runs the real pipeline file with every setting of that file (one from the environment or
 given to make winning), on a target `eyrie run --check` accepts."""
@@ -12,9 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eyrie_testing import REAL_JOB, REAL_JOB_CPU_SETTINGS, REPO, eyrie
+from eyrie_testing import REAL_JOB, REAL_JOB_CPU_SETTINGS, REPO, docs_section, eyrie
 
-README = (REPO / "README.md").read_text(encoding="utf-8")
 # Stands in for eyrie under `make cpu`: each call's arguments and environment, one JSON a line.
 RECORDER = """#!{python}
 import json, os, sys
@@ -24,15 +23,13 @@ with open({calls!r}, "a") as out:
 
 
 def commands(text: str) -> list[str]:
-    """The lines of the README's code blocks in ``text``, comments cut."""
+    """The lines of the code blocks in ``text``, comments cut."""
     blocks = re.findall(r"^```\n(.*?)^```", text, re.M | re.S)
     return [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
 
 
-def test_the_readme_runs_the_real_job_on_a_cpu_from_cpu_env():
-    real_job = re.search(r"^### The real job\n(.*?)(?=^## )", README, re.M | re.S)
-    assert real_job, "README has no section 'The real job'"
-    lines = commands(real_job.group(1))
+def test_the_docs_run_the_real_job_on_a_cpu_from_cpu_env():
+    lines = commands(docs_section("gpu-host", "The real job"))
     assert "make cpu" in lines  # without Docker
     compose = [line for line in lines if line.startswith("docker compose") and "compose.cpu.yaml" in line]
     assert compose and all("--env-file compose/cpu.env" in line for line in compose), compose

@@ -1,24 +1,21 @@
-"""README says what eyrie guarantees when things go wrong, and how to keep a secret out of the ledger
-and a long run alive: the operator reads it there before the bad day, not in the code after it."""
+"""The documentation says what eyrie guarantees when things go wrong, and how to keep a secret out of
+the ledger and a long run alive: the operator reads it there before the bad day, not in the code after
+it."""
 
 from __future__ import annotations
 
 import re
 
-from eyrie_testing import REPO
-
-README = (REPO / "README.md").read_text(encoding="utf-8")
+from eyrie_testing import docs_section
 
 
-def section(title: str) -> str:
-    """The text of README's ``## title`` section, up to the next one."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.M | re.S)
-    assert match, f"README has no section {title!r}"
-    return " ".join(match.group(1).split())
+def section(page: str, title: str) -> str:
+    """The text of the section ``title`` of page ``docs/PAGE.md``, on one line."""
+    return " ".join(docs_section(page, title).split())
 
 
 def test_reading_the_ledger_says_what_holds_under_each_fault():
-    text = section("Reading the ledger")
+    text = section("ledger", "Reading the ledger")
     faults = [
         "the runner is killed",
         "two runners in one run directory",
@@ -35,7 +32,7 @@ def test_reading_the_ledger_says_what_holds_under_each_fault():
 
 
 def test_running_a_pipeline_says_where_a_secret_goes_and_how_a_long_run_outlives_its_shell():
-    text = section("Running a pipeline")
+    text = section("running", "Running a pipeline")
     assert "A `${NAME}` in a step's `command` is part of its argv" in text
     assert "by design" in text and "through the step's `env`" in text and "a file the step reads" in text
     for way in ("tmux", "nohup eyrie run", "systemd-run"):
@@ -43,7 +40,7 @@ def test_running_a_pipeline_says_where_a_secret_goes_and_how_a_long_run_outlives
 
 
 def test_the_verdict_table_says_when_a_command_that_wrote_its_outputs_and_aborted_is_crashed():
-    text = section("Reading the ledger")
+    text = section("ledger", "Reading the ledger")
     crashed = re.search(r"\| `crashed` \|([^|]*)\|", text).group(1)
     assert "A plain command that wrote its outputs and then aborted is `crashed` too, not" in crashed
     assert "no manifest written before it exited" in crashed and "only after exit 0" in crashed
