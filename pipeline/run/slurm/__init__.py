@@ -43,21 +43,25 @@ ends. Steps run side by side as far as the cluster admits them.
 
 Its parts: ``options`` (the pipeline file's ``slurm:``), ``script`` (the batch
 script and the ``sbatch`` command line), ``controller`` (what the runner asks
-Slurm, asked again while the controller is silent), ``attempt`` (one job, from
-submission to its outcome) and ``executor`` (the checks before a run, submitting,
-and the jobs of a runner that died). What any batch engine would share
-(watching all jobs in one call, following logs, waiting for the in-job report on
-the shared filesystem) is ``pipeline.run.grid``.
+Slurm, asked again while the controller is silent), ``engine`` (Slurm as the
+grid's batch engine: submitting, never twice; Slurm's job states and final
+states read as the grid's) and ``executor`` (what only Slurm says of its nodes:
+the memory and GPUs a step can have, which nodes must see the run directory).
+What any batch engine shares (watching all jobs in one call, following logs,
+waiting for the in-job report on the shared filesystem, telling an attempt's
+outcome from it, taking up or ending the jobs of a runner that died) is
+``pipeline.run.grid``.
 """
 
-from pipeline.run.slurm.attempt import SlurmAttempt
-from pipeline.run.slurm.controller import parse_exit_code, parse_job_record, squeue_watcher
+from pipeline.run.slurm.controller import parse_exit_code, parse_job_record
+from pipeline.run.slurm.engine import SlurmAttempt, SlurmEngine, squeue_watcher
 from pipeline.run.slurm.executor import SlurmExecutor
 from pipeline.run.slurm.options import SlurmOptions
 from pipeline.run.slurm.script import batch_script, report_path, sbatch_argv
 
 __all__ = [
     "SlurmAttempt",
+    "SlurmEngine",
     "SlurmExecutor",
     "SlurmOptions",
     "batch_script",

@@ -1,6 +1,6 @@
 """What the runner asks Slurm's controller, through its commands (``squeue``, ``scontrol``,
 ``sacct``, ``scancel``, ``sinfo``), and how it asks again; submitting with ``sbatch``, which must
-never submit a job twice, is the executor's.
+never submit a job twice, is the engine's (``engine``), as is reading Slurm's answers as the grid's.
 
 A controller that does not answer is asked again, for about a minute, by every
 command; its silence is never taken for an answer ("the job is gone", "no such
@@ -17,7 +17,6 @@ import time
 from typing import NamedTuple
 
 from pipeline.run.executor import ExecutorError, ExecutorUnavailable
-from pipeline.run.grid import JobWatcher
 
 COMMAND_TIMEOUT_S = 60.0
 """A Slurm command that has not answered in this time counts as the controller's silence."""
@@ -124,11 +123,6 @@ def listed_states(ids: list[str]) -> dict[str, str] | None:
     if result.returncode != 0 and "invalid job id" not in result.stderr.lower():
         return None
     return dict(line.split("|", 1) for line in result.stdout.split() if "|" in line)
-
-
-def squeue_watcher() -> JobWatcher:
-    """One ``squeue`` a second for every job the runner waits for: their states, as Slurm says them."""
-    return JobWatcher(listed_states, ENDED_STATES, queued_state="PENDING", name="squeue")
 
 
 def job_named(name: str) -> str | None:

@@ -1,24 +1,25 @@
-"""What is submitted for an attempt: its batch script, and the ``sbatch`` command line that asks for
-the job (memory, time, GPUs, partition, the environment it gets)."""
+"""What is submitted for an attempt: its batch script (the grid's, through ``srun`` on several nodes),
+and the ``sbatch`` command line that asks for the job (memory, time, GPUs, partition, the
+environment it gets)."""
 
 from __future__ import annotations
 
 import fnmatch
 import math
 import shlex
-import sys
 from pathlib import Path
 
 from pipeline.memory import MIB
+from pipeline.run import grid
 from pipeline.run.executor import Launch
 from pipeline.run.layout import attempt_name
 from pipeline.run.slurm.options import SlurmOptions, options_of
-from pipeline.run.step_contract import SERVICE_PORT_ENV
 
 TIME_LIMIT_MARGIN_S = 60.0
 """``--time`` is the step's timeout plus this: the runner stops a step at its timeout itself."""
 RENDEZVOUS_PORT_BASE = 20000
-WRAPPER = [sys.executable, "-m", "pipeline.run.container_init"]
+SBATCH = ("sbatch", "--parsable")
+"""sbatch, answering the job's id alone (``812``, or ``812;cluster``)."""
 
 # What a job gets of the runner's environment besides the step's own variables (`--export` names
 # them; sbatch would otherwise send the whole environment, API keys and tokens included, into the
@@ -37,21 +38,6 @@ def report_path(launch: Launch) -> Path:
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.slurm.json")
 
 
-def address_path(launch: Launch) -> Path:
-    """Where a service's job writes the address of the node it runs on, once it runs there."""
-    return launch.stderr_path.with_name(f"attempt-{launch.attempt}.address")
-
-
-def _say_address(launch: Launch) -> str:
-    """The line that writes the node's own address (its first IP; its name where it has none), so
-    that a replica's URL never rests on the login node resolving the node's name."""
-    target = shlex.quote(str(address_path(launch)))
-    return (
-        "addr=$(hostname -I 2>/dev/null | awk '{print $1}'); [ -n \"$addr\" ] || addr=$(hostname -f); "
-        f'printf "%s\\n" "$addr" > {target}.tmp && mv {target}.tmp {target}'
-    )
-
-
 def script_path(launch: Launch) -> Path:
     """Where the job's batch script is written, beside its logs."""
     return launch.stderr_path.with_name(f"attempt-{launch.attempt}.sbatch")
@@ -61,33 +47,29 @@ def batch_script(launch: Launch) -> str:
     """The job's script: the step under the in-job wrapper, through srun when it asks for nodes."""
     options = options_of(launch)
     report = report_path(launch)
-    step = shlex.join(launch.argv)
-    lines = ["#!/bin/sh", f"# eyrie: run {launch.run_id}, step {launch.step}, attempt {launch.attempt}"]
-    if SERVICE_PORT_ENV in launch.step_env:  # a service's replica: say where it listens
-        lines.append(_say_address(launch))
     if options.nodes is None:
-        lines.append(f"exec {shlex.join([*WRAPPER, str(report), '--'])} {step}")
-        return "\n".join(lines) + "\n"
+        return grid.job_script(launch, report)
     # torchrun's rendezvous (c10d) on the allocation's first node; every node runs one launcher.
     # srun would pass on only the names sbatch exported (SLURM_EXPORT_ENV), not the rendezvous.
-    per_node = f'exec {shlex.join(WRAPPER)} "$0.node-$SLURM_NODEID.json" -- "$@"'
-    lines += [
+    per_node = f'exec {shlex.join(grid.WRAPPER)} "$0.node-$SLURM_NODEID.json" -- "$@"'
+    lines = [
+        *grid.script_head(launch),
         'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(({RENDEZVOUS_PORT_BASE} + SLURM_JOB_ID % 10000))",
         'export MASTER_ADDR="$first" MASTER_PORT="$port" PET_RDZV_BACKEND=c10d '
         'PET_RDZV_ENDPOINT="$first:$port" PET_RDZV_ID="$SLURM_JOB_ID" SLURM_EXPORT_ENV=ALL',
         f"exec srun --nodes={options.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        f"sh -c {shlex.quote(per_node)} {shlex.quote(str(report))} {step}",
+        f"sh -c {shlex.quote(per_node)} {shlex.quote(str(report))} {shlex.join(launch.argv)}",
     ]
     return "\n".join(lines) + "\n"
 
 
-def sbatch_argv(launch: Launch, script: Path) -> list[str]:
+def sbatch_directives(launch: Launch) -> list[str]:
+    """What the job asks of Slurm, as sbatch's options: its name, working directory and logs, the
+    step's memory limit, time, GPUs, the environment it gets, the pipeline's ``slurm:`` options."""
     options = options_of(launch)
     name = attempt_name(launch.run_id, launch.step, launch.attempt)
     argv = [
-        "sbatch",
-        "--parsable",
         f"--job-name={name}",
         f"--chdir={launch.cwd}",
         f"--output={launch.stdout_path}",
@@ -109,7 +91,16 @@ def sbatch_argv(launch: Launch, script: Path) -> list[str]:
     ):
         if value is not None:
             argv.append(f"{flag}={value}")
-    return [*argv, *options.sbatch_args, str(script)]
+    return [*argv, *options.sbatch_args]
+
+
+def sbatch_command(script: Path, directives: list[str]) -> list[str]:
+    return [*SBATCH, *directives, str(script)]
+
+
+def sbatch_argv(launch: Launch, script: Path) -> list[str]:
+    """The command line that submits the launch's job."""
+    return sbatch_command(script, sbatch_directives(launch))
 
 
 def exported_names(launch: Launch, options: SlurmOptions) -> list[str]:

@@ -141,7 +141,7 @@ def cluster(tmp_path, monkeypatch, attempts) -> FakeSlurm:
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(slurm.controller, "ANSWER_WAITS_S", (0, 0.05, 0.05))
     monkeypatch.setattr(slurm.controller, "COMMAND_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(slurm.executor, "REAP_WAIT_S", 1.5)
+    monkeypatch.setattr(grid, "REAP_WAIT_S", 1.5)
     monkeypatch.setattr(grid, "POLL_S", 0.1)
     return fake
 
