@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.steps.accept.measure import Engine, Settings
-from pipeline.steps.accept.sets import HELDOUT
+from pipeline.steps.accept.sets import BENCHMARKS, HELDOUT
 from pipeline.steps.options import Cli, Duration
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 from pipeline.steps.sglang import Parsers, Speculation
@@ -58,6 +58,18 @@ class AcceptConfig(BaseModel):
     """SGLang's --reasoning-parser, as the target is served (empty: none)."""
     tool_call_parser: str = ""
     """SGLang's --tool-call-parser, as the target is served (empty: none)."""
+
+    @field_validator("bench")
+    @classmethod
+    def _known_sets(cls, bench: list[str]) -> list[str]:
+        """A name is checked before any work (``--check`` included); a file's lines when it is read."""
+        for name in bench:
+            if name not in BENCHMARKS and name != HELDOUT and not name.endswith(".jsonl"):
+                known = ", ".join([*BENCHMARKS, HELDOUT])
+                raise ValueError(
+                    f"{name!r} is not a set eyrie knows ({known}) nor a FILE.jsonl of conversations"
+                )
+        return bench
 
     @model_validator(mode="after")
     def _what_the_engine_runs(self) -> AcceptConfig:

@@ -14,9 +14,9 @@ every set's requests.
   accept length is SGLang's own count: completion tokens / verify forwards.
 - ``chain`` (CPU): the built-in chain decoding (``pipeline.steps.eagle3.decoding``, both models
   on their caches), K draft tokens per target forward, one request at a time, against the
-  target's own greedy ``generate``. Their outputs must equal each other token for token (greedy
-  verification is lossless): a difference fails the step. It also gives the acceptance rate at
-  each draft position.
+  target's own greedy ``generate``, the two taking turns prompt by prompt. Their outputs must
+  equal each other token for token (greedy verification is lossless): a difference fails the
+  step. It also gives the acceptance rate at each draft position.
 
 Both check the draft folder first: every tensor its class holds, by name and shape, for this
 target (SGLang would skip an unknown tensor and leave a missing one random). With ``--topk 1``
@@ -68,6 +68,8 @@ from pipeline.steps.target import TargetError, check_target, load_tokenizer, tar
 from pipeline.steps.wrapper import language_config
 
 RESULT = "accept.json"
+CHAIN_PROGRESS_EVERY = 4
+"""Prompts between the chain engine's progress lines (a prompt takes seconds on a CPU)."""
 # SpecForge's own benchmark averages per-request means instead: a short answer weighs as much as a long one.
 ACCEPT_LENGTH_IS = "pooled over requests: completion tokens / verifying forwards, as SGLang and vLLM count it"
 Engine = Literal["sglang", "chain"]
@@ -262,20 +264,29 @@ def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
 def _chain_set(
     name: str, target, draft, prompts: list[list[int]], k: int, settings: Settings
 ) -> tuple[Tally, Tally]:
-    """One set through the chain loop, then through the target's own ``generate``, each timed."""
+    """One set at batch 1: each prompt decoded with the draft and by the target's own ``generate``,
+    each timed, taking turns (which goes first alternates), so a machine busier at one moment weighs
+    on both alike; a line of progress every few prompts."""
     from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate, speculative_generate
 
     eos_ids = eos_ids_of(target)
-    started = time.monotonic()
-    speculative, per_forward = [], []
-    for prompt in prompts:
-        tokens, yielded = speculative_generate(target, draft, prompt, k, settings.max_new_tokens, eos_ids)
-        speculative.append(tokens)
-        per_forward += yielded
-    spec = Tally(time.monotonic() - started, sum(map(len, speculative)), len(per_forward), per_forward)
-    started = time.monotonic()
-    baseline = [greedy_generate(target, prompt, settings.max_new_tokens, eos_ids) for prompt in prompts]
-    base = Tally(time.monotonic() - started, sum(map(len, baseline)))
+    seconds = {"speculative": 0.0, "baseline": 0.0}
+    speculative, baseline, per_forward = [], [], []
+    for number, prompt in enumerate(prompts, 1):
+        for which in ("speculative", "baseline") if number % 2 else ("baseline", "speculative"):
+            started = time.monotonic()
+            if which == "speculative":
+                tokens, yielded = speculative_generate(
+                    target, draft, prompt, k, settings.max_new_tokens, eos_ids
+                )
+                speculative.append(tokens)
+                per_forward += yielded
+            else:
+                baseline.append(greedy_generate(target, prompt, settings.max_new_tokens, eos_ids))
+            seconds[which] += time.monotonic() - started
+        if number % CHAIN_PROGRESS_EVERY == 0 or number == len(prompts):
+            so_far = sum(map(len, speculative)) / len(per_forward)
+            _say(f"{name}: {number}/{len(prompts)} prompts, accept length so far {so_far:.2f}")
     if speculative != baseline:
         differ = sum(a != b for a, b in zip(speculative, baseline, strict=True))
         raise DecodingMismatch(
@@ -283,7 +294,8 @@ def _chain_set(
             f"{name}: the draft's tokens must only ever be kept where the target agrees (a bug, not a "
             "draft quality issue)"
         )
-    return spec, base
+    spec = Tally(seconds["speculative"], sum(map(len, speculative)), len(per_forward), per_forward)
+    return spec, Tally(seconds["baseline"], sum(map(len, baseline)))
 
 
 def measure_chain(settings: Settings, sets: dict[str, list[list[int]]]) -> Measured:

@@ -182,7 +182,7 @@ def test_a_bad_line_is_one_line_naming_file_and_line(inputs, tmp_path, line, sai
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
-        (("--bench", "gsm8k"), "--bench gsm8k: not a set eyrie knows (mtbench, humaneval)"),
+        (("--bench", "gsm8k"), "--bench: 'gsm8k' is not a set eyrie knows (mtbench, humaneval, heldout)"),
         ((), "--data: the held-out rows are the prompts"),
         (("--bench", "heldout,mtbench"), "--data: the held-out rows are the prompts"),
     ],
