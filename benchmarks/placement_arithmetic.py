@@ -5,9 +5,9 @@ read by transformers' own ``kimi_k25`` classes: the vision-language wrapper, its
 language model (61 layers, the first dense; hidden 7168; MLA; 384 routed experts of width 2048, 8
 per token, one shared; vocabulary 163840) and its quantization config (routed experts INT4
 ``pack-quantized``, a bf16 scale per group of 32). The planner builds the language model on the meta
-device held as ``eyrie train`` holds it (the experts packed: ``pipeline/steps/quantized.py``), so
-every size is its own count of the tensors it would hold; and once more dequantized
-(``--dequantize-target``), for comparison.
+device held as ``eyrie train`` holds it (the experts packed:
+``pipeline/steps/target/quantized.py``), so every size is its own count of the tensors it would
+hold; and once more dequantized (``--dequantize-target``), for comparison.
 
 The host: 8 GPUs of 96 GB (RTX PRO 6000 Blackwell), each taken as 96e9 bytes less 1 GiB for the
 CUDA context, and 449 GB of RAM. The draft: the trainer's own, sized by ``draft_bytes``.

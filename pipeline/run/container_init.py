@@ -1,4 +1,5 @@
-"""The step's wrapper inside a container (its PID 1) or a Slurm job: runs the step, reports its cgroup.
+"""The container init: the step's parent inside a container (its PID 1) or a Slurm job; runs the
+step, reports its cgroup.
 
 ``python3 -m pipeline.run.container_init REPORT -- ARGV...``
 

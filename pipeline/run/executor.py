@@ -36,7 +36,7 @@ LineSink = Callable[[str, str], None]
 STDERR_TAIL_LINES = 40
 STOP_GRACE_S = 5.0
 """How long an attempt's processes get to end after SIGTERM (or a main process's leftovers after
-SIGKILL) before they are killed, or given up on, by every executor and the step's wrapper."""
+SIGKILL) before they are killed, or given up on, by every executor and the container init."""
 
 
 class ExecutorError(RuntimeError):

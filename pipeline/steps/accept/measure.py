@@ -65,7 +65,7 @@ from pipeline.steps.sglang import (
     sglang_server,
 )
 from pipeline.steps.target import TargetError, check_target, load_tokenizer, target_config
-from pipeline.steps.wrapper import language_config
+from pipeline.steps.target.vision_language import language_config
 
 RESULT = "accept.json"
 CHAIN_PROGRESS_EVERY = 4

@@ -41,10 +41,10 @@ from pipeline.steps.options import (
 )
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
+from pipeline.steps.target.vision_language import language_config
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.launch import launch, placement_for_launch, say
 from pipeline.steps.train.placement import PlacementError
-from pipeline.steps.wrapper import language_config
 
 DRAFT = "draft"
 EVAL = "eval.json"
@@ -59,7 +59,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     load or place, too little disk for the features): said in one line, exit 2, nothing to resume.
     Any other error is a failure, with its traceback. Imported when needed: this module stays
     light for `eyrie --help`."""
-    from pipeline.steps.quantized import HeldFormatError
+    from pipeline.steps.target.holding import HeldFormatError
     from pipeline.steps.train.loop import TrainingInputError
     from pipeline.steps.train.offline import FeaturesError
 

@@ -34,6 +34,8 @@ from pipeline.steps.eagle3.model import (
 )
 from pipeline.steps.shards import Rows, load_shards, split_heldout
 from pipeline.steps.target import load_head, load_model, target_config, weights_key
+from pipeline.steps.target.format import TargetFormat, target_format
+from pipeline.steps.target.meta import MetaTarget, meta_target
 from pipeline.steps.train import checkpoint as ckpt
 from pipeline.steps.train.config import TrainConfig
 from pipeline.steps.train.data import RowBatches, TokenBatches, collate, token_counts
@@ -47,16 +49,9 @@ from pipeline.steps.train.features import (
     check_layer_ids,
 )
 from pipeline.steps.train.offline import FeatureShards, is_complete, pending_pass, write_features
-from pipeline.steps.train.placement import (
-    Device,
-    Plan,
-    draft_bytes,
-    measure_devices,
-    target_units,
-)
+from pipeline.steps.train.placement import Device, Plan, draft_bytes, measure_devices, units_of
 from pipeline.steps.train.placement import plan as plan_placement
 from pipeline.steps.train.precision import autocast, dtype_of, emulated_note, resolve, training_device_type
-from pipeline.steps.wrapper import language_config
 
 
 class TrainingInputError(ValueError):
@@ -236,8 +231,8 @@ class Setup:
 
     config: Any
     """The target's language model's config (a vision-language wrapper's ``text_config``)."""
-    checkpoint_config: Any
-    """The target's own config, which its checkpoint is loaded by."""
+    format: TargetFormat
+    """The target's format as this process holds it, decided once (its ``config``: the checkpoint's)."""
     precision: str
     """The precision training computes in (``auto`` resolved): fp32 or bf16."""
     dtype: torch.dtype
@@ -254,6 +249,22 @@ class Setup:
     plan: Plan
     longest: int
     """The longest row: the width of the widest batch, which the plan sizes."""
+    meta: MetaTarget | None = None
+    """The target built on the meta device for the plan, until the first load fills it."""
+
+
+def training_format(cfg: TrainConfig, checkpoint_config) -> TargetFormat:
+    """The target's format as training holds it: on this host's GPUs (or the CPU), dequantized when
+    asked."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return target_format(checkpoint_config, device_type=device_type, dequantize=cfg.dequantize_target)
+
+
+def take_meta(cfg: TrainConfig, setup: Setup) -> MetaTarget:
+    """The target on the meta device: the one built for the plan, once (a load fills it in place),
+    then built anew from the same format."""
+    meta, setup.meta = setup.meta, None
+    return meta or meta_target(setup.format, setup.dtype, trust_remote_code=cfg.trust_remote_code)
 
 
 def plan_for(
@@ -267,25 +278,19 @@ def plan_for(
     placement: str | None = None,
     draft_needs: int | None = None,
     features_pass: bool = True,
+    meta: MetaTarget | None = None,
 ) -> Plan:
     """The placement plan of this training: the target's modules, the draft's needs, the devices.
 
     Batches are sized at their widest: the token budget, or ``batch_size`` rows of the ``longest``
-    row's length.
+    row's length. ``meta``: the target already built on the meta device, else built here from
+    ``config``, its checkpoint's.
     """
     batch_tokens = cfg.batch_tokens or cfg.batch_size * longest
     vocab = draft.config.draft_vocab_size
-    units = target_units(
-        config,
-        dtype,
-        math.ceil(batch_tokens / longest),
-        longest,
-        vocab,
-        LOGITS_CHUNK,
-        trust_remote_code=cfg.trust_remote_code,
-        device_type="cuda" if torch.cuda.is_available() else "cpu",
-        dequantize=cfg.dequantize_target,
-    )
+    if meta is None:
+        meta = meta_target(training_format(cfg, config), dtype, trust_remote_code=cfg.trust_remote_code)
+    units = units_of(meta, dtype, math.ceil(batch_tokens / longest), longest, vocab, LOGITS_CHUNK)
     if draft_needs is None:
         element = torch.finfo(dtype).bits // 8
         draft_needs = draft_bytes(
@@ -300,7 +305,8 @@ def plan_for(
 def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -> Setup:
     """Read the target's config and the data, build the vocabulary map and the draft, plan the placement."""
     checkpoint_config = target_config(cfg.target, trust_remote_code=cfg.trust_remote_code)
-    config = language_config(checkpoint_config)
+    fmt = training_format(cfg, checkpoint_config)
+    config = fmt.text
     precision = resolve(cfg.precision)
     dtype = dtype_of(precision)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -330,10 +336,13 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
     # The offline pass runs once, in one process: once its features are on disk, a process plans
     # only what training holds on its own device.
     pending = cfg.target_placement == "offline" and not is_complete(features_folder(cfg, layer_ids, dtype))
-    plan = plan_for(cfg, checkpoint_config, draft, dtype, world, longest, devices, features_pass=pending)
+    meta = meta_target(fmt, dtype, trust_remote_code=cfg.trust_remote_code)
+    plan = plan_for(
+        cfg, checkpoint_config, draft, dtype, world, longest, devices, features_pass=pending, meta=meta
+    )
     return Setup(
         config,
-        checkpoint_config,
+        fmt,
         precision,
         dtype,
         pad_id,
@@ -346,16 +355,19 @@ def prepare(cfg: TrainConfig, world: int, devices: list[Device] | None = None) -
         draft,
         plan,
         longest,
+        meta,
     )
 
 
-def _load(cfg: TrainConfig, dtype: torch.dtype, plan: Plan):
+def _load(cfg: TrainConfig, setup: Setup, plan: Plan, meta: MetaTarget):
+    """The target, placed by ``plan``, filled into ``meta``, the build the plan sized."""
     return load_model(
         cfg.target,
-        dtype=dtype,
+        dtype=setup.dtype,
         trust_remote_code=cfg.trust_remote_code,
         device_map=plan.device_map(),
         dequantize=cfg.dequantize_target,
+        meta=meta,
     )
 
 
@@ -367,7 +379,7 @@ def features_pass(cfg: TrainConfig, setup: Setup, log) -> Path:
         log(f"features pass: complete in {folder}")
         return folder
     pending = pending_pass(setup.rows, folder, setup.config.hidden_size, setup.dtype)  # the disk first
-    target = _load(cfg, setup.dtype, setup.plan.features)
+    target = _load(cfg, setup, setup.plan.features, take_meta(cfg, setup))
     source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=torch.device("cpu"))
     hidden = autocast(setup.precision, training_device_type())(source.hidden)  # as online training runs it
     write_features(hidden, pending, setup.layer_ids, cfg.batch_size, setup.pad_id, log)
@@ -400,14 +412,15 @@ def build(cfg: TrainConfig, world: int, devices: list[Device] | None, log) -> Bu
         if world > 1 and not is_complete(features_folder(cfg, setup.layer_ids, setup.dtype)):
             raise TrainingInputError("the offline features pass is not complete: run it in one process first")
         folder = features_pass(cfg, setup, log)
+        setup.meta = None  # training holds the lm_head only: no module of the target is kept meanwhile
         lm_head, embedding = load_head(
-            cfg.target, setup.checkpoint_config, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
+            cfg.target, setup.format, setup.dtype, device, trust_remote_code=cfg.trust_remote_code
         )
         head = TeacherHead(lm_head, setup.d2t, setup.t2d, LOGITS_CHUNK)
         source: FeatureSource = OfflineFeatures(FeatureShards(folder), head, device)
         target = None
     else:
-        target = _load(cfg, setup.dtype, setup.plan)
+        target = _load(cfg, setup, setup.plan, take_meta(cfg, setup))
         embedding = target.get_input_embeddings().weight
         source = OnlineTarget(target, setup.layer_ids, setup.d2t, setup.t2d, device=device)
     draft = setup.draft
@@ -424,17 +437,19 @@ def target_for_evaluation(cfg: TrainConfig, built: Built):
     if built.target is not None:
         return built.target
     setup = built.setup
+    meta = take_meta(cfg, setup)
     plan = plan_for(
         cfg,
-        setup.checkpoint_config,
+        setup.format.config,
         built.draft,
         setup.dtype,
         1,
         setup.longest,
         placement="auto",
         draft_needs=0,
+        meta=meta,
     )
-    return _load(cfg, setup.dtype, plan)
+    return _load(cfg, setup, plan, meta)
 
 
 def resume(folder: Path, rank: int, world: int, device: torch.device) -> tuple[int, dict | None]:

@@ -15,10 +15,11 @@ free memory (``torch.cuda.mem_get_info``; without GPUs, the memory this process 
 printed, recorded in the manifest, and its device map goes to ``from_pretrained(device_map=...)``
 as is, so what is loaded is what was planned.
 
-Weights are counted as they are held: dense ones at the load dtype; a quantized target's packed
-weights as stored, with the scales (``pipeline/steps/quantized.py``), plus, on each device, the
-largest dense weight one of them makes while its forward runs (one expert's). A vision-language
-wrapper's language model is planned; its vision tower is never loaded, and its bytes are stated.
+Weights are counted as they are held (the target's format: ``pipeline/steps/target/format.py``):
+dense ones at the load dtype; a quantized target's packed weights as stored, with the scales
+(``pipeline/steps/target/quantized.py``), plus, on each device, the largest dense weight one of
+them makes while its forward runs (one expert's). A vision-language wrapper's language model is
+planned; its vision tower is never loaded, and its bytes are stated.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.memory.units import format_size
+from pipeline.steps.target.format import target_format
+from pipeline.steps.target.holding import Holding
+from pipeline.steps.target.meta import MetaTarget, meta_target
 
 Placement = Literal["auto", "replicated", "sharded", "offline"]
 # Left unplanned on every device: the allocator's fragmentation, library workspaces, and the
@@ -78,8 +82,8 @@ class TargetUnits(list):
 
     left_out: int = 0
     """Bytes of the wrapper's modules that are never loaded (a vision tower and its projector)."""
-    holding: str = "dense"
-    """``dense``, ``packed`` or ``stored``: how its weights are held."""
+    holding: Holding = Holding.DENSE
+    """How its weights are held (its format's)."""
 
 
 @dataclass
@@ -120,7 +124,7 @@ class Plan:
     """For ``offline``: where the target runs during its one pass over the data."""
     left_out: int = 0
     """Bytes of the target's modules never loaded (a wrapper's vision tower)."""
-    holding: str = "dense"
+    holding: Holding = Holding.DENSE
 
     @property
     def draft_device(self) -> str:
@@ -159,7 +163,7 @@ class Plan:
             "placement": self.placement,
             "reason": self.reason,
             "headroom_fraction": HEADROOM,
-            "target_holding": self.holding,
+            "target_holding": str(self.holding),
             "left_out_bytes": self.left_out,
             "devices": [
                 {
@@ -206,10 +210,19 @@ def target_units(
     dequantize: bool = False,
     capability: tuple[int, int] | None = None,
 ) -> TargetUnits:
+    """:func:`units_of` the target whose checkpoint config is ``config``, its format decided for
+    ``device_type`` of compute ``capability`` (default: this process's GPU's): quantized weights held
+    as stored unless ``dequantize``; one that cannot be held as stored there raises ``HeldFormatError``."""
+    fmt = target_format(config, device_type=device_type, capability=capability, dequantize=dequantize)
+    target = meta_target(fmt, dtype, trust_remote_code=trust_remote_code)
+    return units_of(target, dtype, batch_size, length, draft_vocab, logits_chunk)
+
+
+def units_of(
+    target: MetaTarget, dtype, batch_size: int, length: int, draft_vocab: int, logits_chunk: int
+) -> TargetUnits:
     """The target's modules in forward order with their bytes as held, from its language model on the
-    meta device (:func:`pipeline.steps.target.language_model`: quantized weights packed unless
-    ``dequantize``; a format that cannot be held as stored on ``device_type`` of compute
-    ``capability``, default this process's GPU's, raises ``HeldFormatError``).
+    meta device (held as its format says).
 
     A batch of ``batch_size`` rows of ``length`` tokens sizes the hidden states each module's output
     keeps; ``logits_chunk`` positions of full-vocabulary logits, and the teacher over the draft
@@ -218,41 +231,31 @@ def target_units(
     import torch
     from transformers.integrations.accelerate import compute_module_sizes
 
-    from pipeline.steps.quantized import largest_transient, packed_bytes, stored_weights
-    from pipeline.steps.target import language_model
-    from pipeline.steps.wrapper import language_config
+    from pipeline.steps.target.quantized import largest_transient, packed_bytes, stored_weights
 
-    lm = language_model(
-        config,
-        dtype,
-        trust_remote_code=trust_remote_code,
-        device_type=device_type,
-        dequantize=dequantize,
-        capability=capability,
-    )
-    model, text = lm.model, language_config(config)
+    model, fmt = target.model, target.format
     sizes, _ = compute_module_sizes(model)
     element = torch.finfo(dtype).bits // 8
     batch_tokens = batch_size * length
-    hidden = batch_tokens * text.hidden_size * element  # one kept hidden state
+    hidden = batch_tokens * fmt.text.hidden_size * element  # one kept hidden state
 
     def unit(name: str, child: torch.nn.Module, keeps: int) -> Unit:
         weights = sizes.get(name, 0)
-        if lm.holding.kind == "stored":  # quantized weights at the bytes the format holds them in
-            quantized = stored_weights(child, lm.prefix + name, lm.holding)
-            weights -= int(quantized * (element - lm.holding.bytes_per_weight))
+        if fmt.holding is Holding.STORED:  # quantized weights at the bytes the format holds them in
+            quantized = stored_weights(child, fmt.prefix + name, fmt.ignore)
+            weights -= int(quantized * (element - fmt.bytes_per_weight))
         return Unit(name, weights, keeps, packed_bytes(child), largest_transient(child, dtype))
 
     base = model.base_model_prefix
     units = TargetUnits()
-    units.left_out, units.holding = lm.left_out, lm.holding.kind
+    units.left_out, units.holding = target.left_out, fmt.holding
     for name, child in getattr(model, base).named_children():
         module = f"{base}.{name}"
         if isinstance(child, torch.nn.ModuleList):
             units += [unit(f"{module}.{i}", layer, hidden) for i, layer in enumerate(child)]
         else:
             units.append(unit(module, child, hidden if name in ("embed_tokens", "norm") else 0))
-    logits = min(logits_chunk, batch_tokens) * text.vocab_size * (element + 4)
+    logits = min(logits_chunk, batch_tokens) * fmt.text.vocab_size * (element + 4)
     logits += batch_tokens * draft_vocab * 4
     heads = [Unit(name, sizes.get(name, 0), logits) for name, _ in model.named_children() if name != base]
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
@@ -364,7 +367,7 @@ def plan(
     """
     resolved = _resolve(placement, units, devices, draft, world, features_pass)
     resolved.left_out = getattr(units, "left_out", 0)
-    resolved.holding = getattr(units, "holding", "dense")
+    resolved.holding = getattr(units, "holding", Holding.DENSE)
     return resolved
 
 

@@ -1,4 +1,4 @@
-"""Quantized targets are planned as they are held (pipeline/steps/quantized.py): packed INT weights
+"""Quantized targets are planned as they are held (pipeline/steps/target/): packed INT weights
 at their stored bytes with the largest expert's dequantized transient per device, FP8 as stored on a
 GPU, any other format refused before anything loads, with its dense size."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, LlamaConfig
 
-from pipeline.steps.quantized import HeldFormatError, holding
+from pipeline.steps.target.format import target_format
+from pipeline.steps.target.holding import HeldFormatError
 from pipeline.steps.train.placement import Device, plan, target_units
 
 pytest.importorskip("compressed_tensors", reason="the `quantized` extra is not installed")
@@ -113,9 +114,10 @@ def test_fp8_is_planned_as_stored_on_a_gpu_and_refused_on_the_cpu():
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
 def test_other_formats_are_refused_with_their_dense_size(method):
-    with pytest.raises(HeldFormatError) as refused:
-        holding(quantized(LLAMA, {"quant_method": method, "bits": 4}), "cuda", 5 * GiB)
-    assert f"'{method}'" in str(refused.value) and "5.00 GiB" in str(refused.value)
+    refusal = target_format(quantized(LLAMA, {"quant_method": method, "bits": 4}), device_type="cuda").refused
+    refused = refusal.error(5 * GiB)
+    assert isinstance(refused, HeldFormatError)
+    assert f"'{method}'" in str(refused) and "5.00 GiB" in str(refused)
 
 
 def test_a_wrapper_stored_in_fp8_is_refused_before_its_weights_are_read_without_scales():

@@ -1,5 +1,5 @@
 """GLM-5 stored as ModelOpt's NVFP4 (tests/fixtures/glm5_nvfp4/, no weights), planned as it is held
-(pipeline/steps/quantized.py): on a Blackwell GPU its experts at their stored bytes (e2m1 weights,
+(pipeline/steps/target/): on a Blackwell GPU its experts at their stored bytes (e2m1 weights,
 an fp8 scale per 16, an fp32 global scale), anywhere else refused up front with its dense size."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from transformers import AutoConfig, GlmMoeDsaConfig
 
 from eyrie_testing import REPO
 from pipeline.memory.units import format_size
-from pipeline.steps.quantized import HeldFormatError
 from pipeline.steps.target import TargetError, load_model
+from pipeline.steps.target.holding import HeldFormatError
 from pipeline.steps.train.placement import Device, PlacementError, plan, target_units
 
 RELEASE = REPO / "tests" / "fixtures" / "glm5_nvfp4"

@@ -1,25 +1,24 @@
 """The target model, named by a Hugging Face hub id, a local folder or a GGUF file (converted once
-into a cached folder: :func:`resolved`), loaded with transformers.
+into a cached folder: :func:`resolved`), loaded as its format says (:mod:`pipeline.steps.target.format`).
 
 The same name serves every step that needs the target (tokenize: its tokenizer and chat
 template; train and accept: its weights). A target that ships its own code (``auto_map``
 in its config, as Kimi-K2 does) loads only with ``trust_remote_code``; without it the
 error is one line naming ``--trust-remote-code``. A checkpoint stored quantized (a
-``quantization_config`` such as compressed-tensors INT4 experts) loads through
-transformers' quantizer for its format, installed with the ``quantized`` extra.
+``quantization_config`` such as compressed-tensors INT4 experts) is held as its format says,
+read by compressed-tensors' own functions (installed with the ``quantized`` extra) or transformers'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.steps.wrapper import language_config
+from pipeline.steps.target.format import Loader, TargetFormat, target_format
+from pipeline.steps.target.holding import HeldFormatError
+from pipeline.steps.target.meta import MetaTarget, meta_target, quiet_transformers
 
 REMOTE_CODE_FLAG = "--trust-remote-code"
 # A hub id: NAME or OWNER/NAME (letters, digits, - _ .), as the hub accepts them.
@@ -36,9 +35,9 @@ def is_local(target: str | Path) -> bool:
 
 def resolved(target: str | Path, option: str) -> str | Path:
     """The target as the steps read it: itself, or for a GGUF file (or a folder holding one) the
-    model folder it is converted into once (:mod:`pipeline.steps.gguf_target`). Every function here
+    model folder it is converted into once (:mod:`pipeline.steps.target.gguf`). Every function here
     that takes a target starts with this, so each step takes a GGUF file without code of its own."""
-    from pipeline.steps.gguf_target import GGUFError, converted
+    from pipeline.steps.target.gguf import GGUFError, converted
 
     try:
         return converted(target)
@@ -100,106 +99,16 @@ def _reason(exc: Exception, target: str | Path, option: str) -> str:
     return f"{option} {target}: cannot load the model: {first}"
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' warnings while it resolves a target's classes (e.g. "a model of type X to
-    instantiate a model of type ''" for custom code) would bury the one line that matters."""
-    from transformers.utils import logging
-
-    previous = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(previous)
-
-
 def target_config(target: str | Path, *, trust_remote_code: bool, option: str = "--target"):
     """The target's config alone (seconds, even for a hub id): what can be checked before the weights."""
     from transformers import AutoConfig
 
     target = resolved(target, option)
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
         raise TargetError(_reason(exc, target, option)) from None
-
-
-@dataclass
-class LanguageModel:
-    """The target's language model with its parameters on the meta device, held as it will be loaded."""
-
-    model: Any
-    prefix: str
-    """What the checkpoint's names carry before the model's own (``language_model.`` in a wrapper)."""
-    left_out: int
-    """Bytes of the wrapper's other modules (a vision tower and its projector): never loaded."""
-    holding: Any
-    """How its weights are held (:class:`pipeline.steps.quantized.Holding`)."""
-
-
-def language_model(
-    config: Any,
-    dtype: Any,
-    *,
-    trust_remote_code: bool,
-    device_type: str = "cpu",
-    dequantize: bool = False,
-    capability: tuple[int, int] | None = None,
-) -> LanguageModel:
-    """The target's causal language model on the meta device (buffers real), with its quantized
-    modules held as stored (:mod:`pipeline.steps.quantized`) on ``device_type`` of compute
-    ``capability`` (default: this process's GPU's) unless ``dequantize``.
-
-    A wrapper's language model is its own remote code's ``language_model`` under
-    ``--trust-remote-code``, else transformers' class for its ``text_config`` (for Kimi-K2.5:
-    DeepSeek-V3); either way its names are the checkpoint's after ``language_model.``.
-    """
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    from pipeline.steps.quantized import HeldFormatError, Holding, hold_packed, holding, quantization_of
-
-    text = language_config(config)
-    with init_empty_weights(include_buffers=False), _quiet_transformers():
-        if text is config:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-            prefix, left_out = "", 0
-        else:
-            loader = AutoModelForCausalLM if trust_remote_code else AutoModel
-            wrapper = loader.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-            inner = getattr(wrapper, "language_model", None)
-            ships_lm = trust_remote_code and inner is not None and inner.get_output_embeddings() is not None
-            model = inner if ships_lm else AutoModelForCausalLM.from_config(text, dtype=dtype)
-            prefix = "language_model."
-            left_out = sum(
-                p.numel() * p.element_size()
-                for name, p in wrapper.named_parameters()
-                if "language_model" not in name and not name.startswith("lm_head")
-            )
-    model.tie_weights()  # the empty-weights context replaced the tied parameters with copies
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    stored = (
-        holding(config, device_type, dense, capability)
-        if text is not config or not dequantize
-        else Holding("dense")
-    )
-    if stored.kind == "stored" and text is not config:
-        # transformers runs FP8/MXFP4 as stored only through its own loading of the whole model;
-        # eyrie's loader of a wrapper's language model reads only compressed-tensors INT weights.
-        raise HeldFormatError(
-            f"the target is a vision-language wrapper whose language model is stored as "
-            f"{quantization_of(config).get('quant_method')!r}: eyrie loads a wrapper's language model "
-            "itself and reads only compressed-tensors INT weights; use a checkpoint of the language "
-            "model alone"
-        )
-    held = Holding("dense") if dequantize else stored
-    if held.kind == "packed":
-        scale = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        hold_packed(model, config, prefix, scale_dtype=scale)
-    return LanguageModel(model.requires_grad_(False), prefix, left_out, held)
 
 
 def load_model(
@@ -210,34 +119,41 @@ def load_model(
     option: str = "--target",
     device_map: dict[str, str] | None = None,
     dequantize: bool = False,
+    meta: MetaTarget | None = None,
 ):
     """The target's causal language model (weights from its folder, or the hub's cache).
 
     With a ``device_map`` each module loads straight onto its device (several devices are joined by
     accelerate's hooks, which move activations between them). A quantized target is held as stored
     (packed experts stay packed) unless ``dequantize``; a vision-language wrapper gives its language
-    model, and its vision tower is never loaded.
+    model, and its vision tower is never loaded. ``meta``: the target already built on the meta
+    device for its plan (:func:`pipeline.steps.target.meta.meta_target`), filled here instead of built
+    again; its format, decided with it, stands for ``dequantize`` and the device.
     """
     from transformers import AutoModelForCausalLM
 
-    from pipeline.steps.quantized import HeldFormatError, check_readable, load_held, quantization_of
+    from pipeline.steps.target.quantized import load_held
 
     target = resolved(target, option)
-    config = target_config(target, trust_remote_code=trust_remote_code, option=option)
     devices = set((device_map or {}).values())
     device_type = "cuda" if any(str(d).startswith("cuda") for d in devices) else "cpu"
     try:
-        check_readable(config)
-        lm = language_model(
-            config, dtype, trust_remote_code=trust_remote_code, device_type=device_type, dequantize=dequantize
-        )
-        wrapped = language_config(config) is not config
-        if wrapped or lm.holding.kind == "packed" or (dequantize and quantization_of(config)):
+        if meta is None:
+            config = target_config(target, trust_remote_code=trust_remote_code, option=option)
+            fmt = target_format(config, device_type=device_type, dequantize=dequantize)
+        else:
+            fmt = meta.format
+        fmt.check_readable()
+        if meta is None and (fmt.loader is Loader.EYRIE or fmt.refused is not None):
+            meta = meta_target(fmt, dtype, trust_remote_code=trust_remote_code)  # refused: with its size
+        if fmt.loader is Loader.EYRIE:
             default = next(iter(devices), "cpu")
-            model = load_held(lm.model, model_folder(target), lm.prefix, dtype, device_map, config, default)
+            model = load_held(
+                meta.model, model_folder(target), fmt.prefix, dtype, device_map, fmt.quantization, default
+            )
         else:
             # An explicit False: transformers then refuses custom code instead of asking on stdin.
-            with _quiet_transformers(), warnings.catch_warnings():
+            with quiet_transformers(), warnings.catch_warnings():
                 # "the quantization_config from the model will be used": what is asked for.
                 warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
                 model = AutoModelForCausalLM.from_pretrained(
@@ -305,15 +221,15 @@ def weights_key(target: str | Path) -> dict[str, Any]:
     return {"files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
 
 
-def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust_remote_code: bool):
+def load_head(target: str | Path, fmt: TargetFormat, dtype: Any, device: Any, *, trust_remote_code: bool):
     """(lm_head on ``device``, input embedding weight on the CPU) read by name from the checkpoint's
-    safetensors files: what offline training needs of the target, without loading the rest."""
+    safetensors files: what offline training needs of the target of format ``fmt``, without loading
+    the rest."""
     import torch
 
-    from pipeline.steps.quantized import Checkpoint
+    from pipeline.steps.target.quantized import Checkpoint
 
-    lm = language_model(config, dtype, trust_remote_code=trust_remote_code)
-    model = lm.model
+    model = meta_target(fmt, dtype, trust_remote_code=trust_remote_code).model
     names = {module: name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     wanted = {f"{names[head]}.{p}": p for p, _ in head.named_parameters()}
@@ -323,7 +239,7 @@ def load_head(target: str | Path, config: Any, dtype: Any, device: Any, *, trust
     checkpoint = Checkpoint(model_folder(target))
     tensors = {}
     for name in [*wanted, embedding_name]:
-        key = lm.prefix + stored.get(name, name)
+        key = fmt.prefix + stored.get(name, name)
         if key not in checkpoint:
             raise TargetError(
                 f"no tensor {key} in the safetensors files of {target}: offline training reads it"
@@ -353,7 +269,7 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool, option: str =
     target = resolved(target, option)
     check_tokenizer(target, option)
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
         reason = refused if "trust_remote_code" in str(exc) else _reason(exc, target, option)

@@ -22,8 +22,17 @@ from pipeline.run.step_contract import (
     read_manifest,
     sha256_file,
 )
-from pipeline.steps import gguf_target
-from pipeline.steps.target import TargetError, check_target, load_model, load_tokenizer, resolved
+from pipeline.steps.target import (
+    TargetError,
+    check_target,
+    load_model,
+    load_tokenizer,
+    resolved,
+    target_config,
+)
+from pipeline.steps.target import gguf as gguf_target
+from pipeline.steps.target.format import Loader, target_format
+from pipeline.steps.target.holding import Holding
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,6 +80,19 @@ def test_the_gguf_becomes_a_model_folder_with_its_tokenizer_and_template_recorde
     assert len(tokenizer) == 49152
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert "named SmolLM" in text and "<|im_start|>user\nHi<|im_end|>" in text
+
+
+def test_the_gguf_is_a_dense_target_once_converted(smollm2, converted):
+    """Its quantization types are the GGUF's: the folder holds its weights dequantized, and its
+    format says so (held dense, read by transformers, nothing for SGLang to be told)."""
+    fmt = target_format(target_config(smollm2, trust_remote_code=False))
+    assert (fmt.holding, fmt.loader, fmt.quantization, fmt.prefix) == (
+        Holding.DENSE,
+        Loader.TRANSFORMERS,
+        {},
+        "",
+    )
+    assert fmt.sglang_flags == []
 
 
 def test_the_converted_model_computes_what_the_gguf_computes(smollm2, converted):

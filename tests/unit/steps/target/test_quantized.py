@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.steps.quantized import PackedLinear
 from pipeline.steps.target import load_model
+from pipeline.steps.target.quantized import PackedLinear
 from pipeline.steps.train.loop import TrainConfig, train
 
 pytest.importorskip("compressed_tensors", reason="the `quantized` extra is not installed")

@@ -15,11 +15,11 @@ extension points:
   to it.
 
 The dense weight of one expert (or Linear) lives only while its forward runs: that transient is
-what a device holds beyond the stored bytes, and the planner counts both (:func:`held_bytes`).
+what a device holds beyond the stored bytes, and the planner counts both (:func:`packed_bytes`,
+:func:`largest_transient`).
 
-Formats computed with as stored on a GPU (FP8, MXFP4; NVFP4 on a Blackwell GPU only) are planned at
-their stored size there; any other format, or those elsewhere, is refused before anything is loaded,
-with its dense size.
+Which targets are held packed, and which formats are computed with as stored or refused, is decided
+once, by :mod:`pipeline.steps.target.format`; this module holds packed weights and reads checkpoints.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,134 +34,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.memory.units import format_size
-from pipeline.steps.wrapper import language_config
+from pipeline.steps.target.formats.compressed_tensors import schemes
 
-COMPRESSED_TENSORS = "compressed-tensors"
-MODELOPT = "modelopt"
 PACKED_EXPERTS = "eyrie_packed"
 """The experts implementation (transformers' ``ExpertsInterface``) of fused experts held packed."""
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-@dataclass(frozen=True)
-class StoredFormat:
-    """A format computed with as stored, on a GPU only."""
-
-    bytes_per_weight: float
-    """Bytes per quantized weight as held, its scales included."""
-    architectures: tuple[int, ...] = ()
-    """The compute capabilities (major) whose tensor cores compute with it; empty: any GPU."""
-    gpus: str = "a GPU"
-
-    def runs_on(self, device_type: str, capability: tuple[int, int] | None) -> bool:
-        if device_type != "cuda":
-            return False
-        return not self.architectures or (capability is not None and capability[0] in self.architectures)
-
-
-_STORED_ON_GPU = {
-    "fp8": StoredFormat(1.0),
-    "mxfp4": StoredFormat(0.5 + 1 / 32),
-    # ModelOpt's NVFP4: two e2m1 weights a byte, an fp8 (e4m3) scale per 16 and an fp32 global
-    # scale per tensor (weight_scale, weight_scale_2); only Blackwell's tensor cores (sm_100: B200,
-    # sm_120: RTX PRO 6000) compute with it.
-    "nvfp4": StoredFormat(0.5 + 1 / 16, (10, 12), "a Blackwell GPU (compute capability 10.x or 12.x)"),
-}
-
-
-class HeldFormatError(ValueError):
-    """The target's format cannot be held as stored here; the message gives its dense size."""
-
-
-@dataclass(frozen=True)
-class Holding:
-    """How a target's weights are held: ``dense``, ``packed`` (eyrie keeps compressed-tensors
-    weights packed) or ``stored`` (the format is computed with as stored, on a GPU)."""
-
-    kind: str
-    bytes_per_weight: float | None = None
-    """For ``stored``: bytes per quantized weight as held."""
-    ignore: tuple[str, ...] | None = None
-    """For ``stored``: the checkpoint's modules left unquantized (ModelOpt's glob patterns); None:
-    every Linear is quantized (transformers' own FP8 and MXFP4)."""
-
-
-def quantization_of(config: Any) -> dict:
-    """The target's quantization config as a dict (the language model's, or the wrapper's)."""
-    for candidate in (config, language_config(config)):
-        quantization = getattr(candidate, "quantization_config", None)
-        if quantization:
-            return quantization if isinstance(quantization, dict) else quantization.to_dict()
-    return {}
-
-
-def holding(
-    config: Any, device_type: str, dense_bytes: int, capability: tuple[int, int] | None = None
-) -> Holding:
-    """How the target is held on ``device_type`` (``cuda``, ``cpu``) of compute ``capability``
-    (default: this process's GPU's), or refused with its dense size."""
-    quantization = quantization_of(config)
-    method = quantization.get("quant_method")
-    if not method:
-        return Holding("dense")
-    if device_type == "cuda" and capability is None:
-        capability = gpu_capability()
-    if method == COMPRESSED_TENSORS:
-        schemes = _schemes(quantization)
-        kinds = {scheme.weights.type for scheme, _ in schemes if scheme.weights is not None}
-        if kinds <= {"int"}:
-            return Holding("packed")
-        if kinds == {"float"} and all(s.weights.num_bits == 8 for s, _ in schemes) and device_type == "cuda":
-            return Holding("stored", _STORED_ON_GPU["fp8"].bytes_per_weight)
-        reason = "only its INT formats are held packed, FP8 as stored on a GPU"
-    elif method == MODELOPT and str(quantization.get("quant_algo")).lower() in _STORED_ON_GPU:
-        stored = _STORED_ON_GPU[quantization["quant_algo"].lower()]
-        method = f"{quantization['quant_algo']} ({MODELOPT})"
-        ignore = tuple(quantization.get("ignore") or ())
-        if stored.runs_on(device_type, capability):
-            return Holding("stored", stored.bytes_per_weight, ignore)
-        reason = f"only {stored.gpus} computes with it"
-    elif method in _STORED_ON_GPU and _STORED_ON_GPU[method].runs_on(device_type, capability):
-        return Holding("stored", _STORED_ON_GPU[method].bytes_per_weight)
-    elif method in _STORED_ON_GPU:
-        reason = f"transformers runs it as stored only on {_STORED_ON_GPU[method].gpus}"
-    else:
-        reason = (
-            "eyrie holds compressed-tensors INT weights packed, FP8 or MXFP4 as stored on a GPU, "
-            "and NVFP4 on a Blackwell GPU"
-        )
-    where = (
-        f"cuda (sm_{capability[0]}{capability[1]})" if capability and device_type == "cuda" else device_type
-    )
-    raise HeldFormatError(
-        f"the target is quantized as {method!r}, which cannot be held as stored on {where}: "
-        f"{reason}; dequantized it would need {format_size(dense_bytes)} of weights"
-    )
-
-
-def check_readable(config: Any) -> None:
-    """Before any weight is read: a ModelOpt checkpoint is planned (NVFP4 on a Blackwell GPU) but no
-    loader here reads its weights (transformers 5.x loads no pre-quantized NVFP4, eyrie's own
-    reads compressed-tensors), and read as dense they would be garbage."""
-    quantization = quantization_of(config)
-    if quantization.get("quant_method") == MODELOPT:
-        raise HeldFormatError(
-            f"the target is stored by ModelOpt ({quantization.get('quant_algo')}): eyrie plans its weights "
-            "but loads none of ModelOpt's yet (SGLang serves it: --quantization modelopt_fp4)"
-        )
-
-
-def gpu_capability() -> tuple[int, int] | None:
-    """This process's GPU's compute capability (``(12, 0)``: sm_120), or None without one."""
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-
-
-def stored_weights(module: nn.Module, name: str, held: Holding) -> int:
-    """How many of the weights under ``module`` (``name``, as the checkpoint calls it) a ``stored``
-    holding keeps quantized: its Linear weights, and with ModelOpt's ignore list also fused
-    experts' (each expert a Linear in the checkpoint), less those the list leaves unquantized."""
-    if held.ignore is None:
+def stored_weights(module: nn.Module, name: str, ignore: tuple[str, ...] | None) -> int:
+    """How many of the weights under ``module`` (``name``, as the checkpoint calls it) a format held
+    as stored keeps quantized: its Linear weights, and with a list of the modules the checkpoint
+    leaves unquantized (``ignore``, ModelOpt's) also fused experts' (each expert a Linear in the
+    checkpoint), less those the list names."""
+    if ignore is None:
         return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
     quantized = 0
     for child_name, child in module.named_modules(prefix=name):
@@ -172,21 +56,9 @@ def stored_weights(module: nn.Module, name: str, held: Holding) -> int:
             names = [f"{child_name}.0.{p}" for ps in _FUSED.values() for p in ps]
         else:
             continue
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in held.ignore):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in ignore):
             quantized += sum(p.numel() for p in child.parameters(recurse=False) if p.dim() >= 2)
     return quantized
-
-
-def _schemes(quantization: dict) -> list[tuple[Any, str]]:
-    """(scheme, format) per config group."""
-    from compressed_tensors.quantization import QuantizationScheme
-
-    default = quantization.get("format")
-    out = []
-    for group in quantization.get("config_groups", {}).values():
-        scheme = QuantizationScheme.model_validate(group)
-        out.append((scheme, scheme.format or default))
-    return out
 
 
 # ---------------------------------------------------------------- packed modules
@@ -319,16 +191,15 @@ def _group_of(names: tuple[str, ...], module: nn.Module, groups: list[tuple[Any,
 
 
 def hold_packed(
-    model: nn.Module, config: Any, prefix: str = "", scale_dtype: torch.dtype = torch.bfloat16
+    model: nn.Module, quantization: dict, prefix: str = "", scale_dtype: torch.dtype = torch.bfloat16
 ) -> int:
-    """Replace the modules ``config``'s compressed-tensors quantization targets with packed ones,
+    """Replace the modules ``quantization`` (compressed-tensors') targets with packed ones,
     in place (on any device, meta included); returns how many were replaced.
 
     ``prefix``: what the checkpoint's names carry before the model's own (``language_model.`` in a
     vision-language wrapper), which the quantization config's targets and ignore list are written in.
     """
-    quantization = quantization_of(config)
-    groups = _schemes(quantization)
+    groups = schemes(quantization)
     ignore = list(quantization.get("ignore") or [])
     replaced = fused = 0
     for name, module in list(model.named_modules()):
@@ -456,11 +327,10 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _dequantized(
-    checkpoint: Checkpoint, prefix: str, key: str, config: Any, count: int
+    checkpoint: Checkpoint, prefix: str, key: str, quantization: dict, count: int
 ) -> torch.Tensor | None:
     """A dense weight the checkpoint stores packed, dequantized (for a target held dense on purpose)."""
-    quantization = quantization_of(config)
-    groups, ignore = _schemes(quantization), list(quantization.get("ignore") or [])
+    groups, ignore = schemes(quantization), list(quantization.get("ignore") or [])
     probe = nn.Linear(1, 1, device="meta")
 
     def one(module_key: str) -> torch.Tensor | None:
@@ -489,13 +359,13 @@ def load_held(
     prefix: str,
     dtype: torch.dtype,
     device_map: dict[str, str] | None,
-    config: Any,
+    quantization: dict,
     default_device: str = "cpu",
 ) -> nn.Module:
     """Fill ``model`` (its parameters on the meta device, its buffers real) from the checkpoint in
     ``folder``, each tensor straight onto the device ``device_map`` gives its module: dense tensors
     at ``dtype``, packed ones as stored (a packed tensor the model holds dense is dequantized as it
-    is read). Several devices are joined by accelerate's hooks."""
+    is read, by ``quantization``, the checkpoint's). Several devices are joined by accelerate's hooks."""
     from accelerate import dispatch_model
 
     checkpoint = Checkpoint(folder)
@@ -508,9 +378,9 @@ def load_held(
             value = checkpoint.get(key)
         else:
             value = _stacked_experts(checkpoint, prefix, name, tensor.shape[0])
-            if value is None and quantization_of(config):
+            if value is None and quantization:
                 value = _dequantized(
-                    checkpoint, prefix, key, config, tensor.shape[0] if tensor.dim() == 3 else 0
+                    checkpoint, prefix, key, quantization, tensor.shape[0] if tensor.dim() == 3 else 0
                 )
             if value is None:
                 if tied and tensor is head.weight:
