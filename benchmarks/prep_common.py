@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.sources import part_records, prepare_source
-from pipeline.steps.tokenize.run import KIMI_K2_SPECIAL_TOKENS
+from pipeline.steps.tokenize.chat_template import KIMI_K2_SPECIAL_TOKENS
 
 TEMPLATES = ("kimi-k2", "tokenizer", "unmarked")
 

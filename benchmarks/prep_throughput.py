@@ -60,11 +60,14 @@ def write_workload(path: Path, copies: int, lengthen: int = 1) -> int:
 
 
 def raw_pass(folder: Path, template: str, native: Path, method: str) -> tuple[float, int, int]:
-    from pipeline.steps.tokenize.run import BATCH, Tokenizer, _render, parse_conversation, read_lines
+    from pipeline.steps.tokenize.chat_template import render
+    from pipeline.steps.tokenize.rows import parse_conversation, read_lines
+    from pipeline.steps.tokenize.run import BATCH
+    from pipeline.steps.tokenize.tokenizer import Tokenizer
 
     encoder = Tokenizer(folder, template)
     texts = [
-        _render(encoder.template, c.messages, c.tools, special=encoder.special)[0]
+        render(encoder.template, c.messages, c.tools, special=encoder.special)[0]
         for c in map(parse_conversation, read_lines(native))
     ]
     encode = getattr(encoder.backend, method)

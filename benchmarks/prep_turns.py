@@ -67,22 +67,22 @@ def time_encode(encoder, batch: list, repeats: int) -> tuple[float, int]:
 
 def time_reference(encoder, batch: list) -> tuple[float, int]:
     """Per-turn prefix tokenization: the quadratic method the incident's prep used."""
-    from pipeline.steps.tokenize.run import _render
+    from pipeline.steps.tokenize.chat_template import render
 
     started, tokens = time.perf_counter(), 0
     for messages, tools in batch:
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
                 for prefix, prompt in ((messages[:i], True), (messages[: i + 1], False)):
-                    text = _render(encoder.template, prefix, tools, prompt, encoder.special)[0]
+                    text = render(encoder.template, prefix, tools, prompt, encoder.special)[0]
                     encoder.backend.encode(text, add_special_tokens=False)
-        full = _render(encoder.template, messages, tools, special=encoder.special)[0]
+        full = render(encoder.template, messages, tools, special=encoder.special)[0]
         tokens += len(encoder.backend.encode(full, add_special_tokens=False).ids)
     return time.perf_counter() - started, tokens
 
 
 def main() -> None:
-    from pipeline.steps.tokenize.run import Tokenizer
+    from pipeline.steps.tokenize.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=400_000, help="about this many tokens per size")

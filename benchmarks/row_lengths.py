@@ -24,7 +24,8 @@ from pathlib import Path
 
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.sources import part_records, prepare_source
-from pipeline.steps.tokenize.run import OWN_TEMPLATE, run_tokenize
+from pipeline.steps.tokenize.chat_template import OWN_TEMPLATE
+from pipeline.steps.tokenize.run import run_tokenize
 
 AGENTIC = ("hermes_agent_kimi", "swe_smith_trajectories")
 LIMITS = (2048, 4096, 32768)

@@ -1,5 +1,6 @@
-"""The tokenize step's shards as rows: those with assistant tokens, cut at a length, memory-mapped,
-and held out by a hash of their tokens (train trains on the rest; accept measures on these).
+"""The tokenize step's shards: written (:class:`ShardWriter`), and read back as rows: those with
+assistant tokens, cut at a length, memory-mapped, and held out by a hash of their tokens (train
+trains on the rest; accept measures on these).
 
 Parquet is compressed, so it cannot be mapped as it is: the usable rows of the shards are
 written once, uncompressed, into an Arrow IPC file (``OUT/rows/<key>.arrow``), which every
@@ -23,6 +24,7 @@ import pyarrow as pa
 
 from pipeline.memory.units import MIB
 from pipeline.run.step_contract import atomic_path
+from pipeline.steps.records import tokenized_schema
 
 ROWS_SCHEMA = pa.schema(
     [
@@ -34,6 +36,41 @@ ROWS_SCHEMA = pa.schema(
 """The memory-mapped rows: the tokenize step's shard types, so converting its shards copies, never widens."""
 _CONVERT_ROWS = 64
 """Rows read from a shard at a time while converting: what the conversion holds in memory."""
+
+
+class ShardWriter:
+    """Tables into ``shard-00000.parquet``, ``shard-00001.parquet``, … of ``shard_rows`` rows each."""
+
+    def __init__(self, folder: Path, shard_rows: int):
+        self.folder = folder
+        self.shard_rows = shard_rows
+        self.schema = tokenized_schema()
+        self.writer = None
+        self.in_shard = 0
+        self.shards = 0
+        self.rows = 0
+
+    def write(self, table) -> None:
+        import pyarrow.parquet as pq
+
+        start = 0
+        while start < table.num_rows:
+            if self.writer is None or self.in_shard >= self.shard_rows:
+                self.close()
+                name = self.folder / f"shard-{self.shards:05d}.parquet"
+                self.writer = pq.ParquetWriter(str(name), self.schema)
+                self.shards += 1
+                self.in_shard = 0
+            take = min(table.num_rows - start, self.shard_rows - self.in_shard)
+            self.writer.write_table(table.slice(start, take))
+            self.in_shard += take
+            self.rows += take
+            start += take
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 @dataclass

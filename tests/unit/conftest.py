@@ -9,7 +9,7 @@ import pytest
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.run import run_prep
 from pipeline.steps.prep.sources import part_records, prepare_source
-from pipeline.steps.tokenize.run import KIMI_K2_SPECIAL_TOKENS
+from pipeline.steps.tokenize.chat_template import KIMI_K2_SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="session")

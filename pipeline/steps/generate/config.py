@@ -1,6 +1,7 @@
 """The generation step's settings and their defaults: ``GenerateSettings`` are ``eyrie generate``'s
 options, with these names (``cli.py`` derives them from here); ``GenerateConfig`` is what the driver
-runs with, those settings and where the rows come from and go."""
+runs with, those settings and where the rows come from and go. ``settings_of`` is what rows are
+recorded as made with (``generate.settings.json``), ``settings_diff`` how two such records differ."""
 
 from __future__ import annotations
 
@@ -109,3 +110,36 @@ class GenerateConfig(GenerateSettings):
     """Sent as the bearer token; never printed or stored."""
     flush_rows: int = 512
     flush_interval_s: float = 1.0
+
+
+# -- what rows are made with ---------------------------------------------------------------
+def settings_of(config: GenerateConfig, model: str) -> dict[str, Any]:
+    """What rows asked with ``config`` of ``model`` are made with: a rerun asking otherwise must not
+    mix its answers with theirs."""
+    return {
+        "model": model,
+        "mode": config.mode,
+        "sampling": config.sampling.model_dump(),
+        "chat_template_kwargs": config.chat_template_kwargs,
+        "drop_truncated": config.drop_truncated,
+    }
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The settings that differ, each ``key old -> new`` (nested keys joined by dots)."""
+    before, after = _flatten(old), _flatten(new)
+    return ", ".join(
+        f"{key} {before.get(key)!r} -> {after.get(key)!r}"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    )

@@ -1,17 +1,7 @@
 """The generation step: every prompt through the target model, resumable, never the bottleneck.
 
-Files in the step directory:
-
-- ``conversations.partial.jsonl`` / ``errors.partial.jsonl``: append-only while the
-  step runs, flushed and fsynced in batches. A rerun (after a kill, a crash, a dead
-  server) skips every id already in either file. ``errors`` holds final answers only
-  (the server rejected the request, or the row cannot be asked); a row whose request
-  kept failing transiently is written nowhere, so a rerun asks it again.
-- ``generate.settings.json``: what the rows were made with. A rerun with other
-  settings (model, mode, sampling) refuses to mix answers; ``--restart`` moves the
-  earlier rows into ``restarted/STAMP/`` and starts over.
-- On success both partial files are renamed to ``conversations.jsonl`` and
-  ``errors.jsonl`` and the manifest is written with the summary.
+The rows go to the step directory as they are answered, and a rerun resumes from them
+(``resume.py``); a run stops when too many of its last rows failed (``error_window.py``).
 
 Exit codes: 0 done; 1 rows went missing on the way to disk (no manifest; a rerun asks
 for them again); 2 bad input or settings; 3 the server(s) failed: none answered
@@ -24,14 +14,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import signal
 import statistics
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -45,15 +32,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.step_contract import (
-    EXIT_BAD_INPUT,
-    MANIFEST_NAME,
-    atomic_path,
-    error_lines,
-    fsync_dir,
-    service_urls,
-    write_manifest,
-)
+from pipeline.run.step_contract import error_lines, service_urls, write_manifest
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,
@@ -64,32 +43,27 @@ from pipeline.steps.generate.client import (
     ServersDead,
 )
 from pipeline.steps.generate.config import GenerateConfig
-from pipeline.steps.generate.conversation import Mode, Plan, PromptError, output_row
-from pipeline.steps.generate.json_text import loads, not_unicode, utf8_json
-from pipeline.steps.generate.store import JsonlAppender, StoreError, read_ids, repair_tail
+from pipeline.steps.generate.conversation import Plan, PromptError, output_row
+from pipeline.steps.generate.error_window import ErrorRateExceeded, ErrorWindow
+from pipeline.steps.generate.json_text import not_unicode, utf8_json
+from pipeline.steps.generate.resume import (
+    CONVERSATIONS,
+    ERRORS,
+    OUTPUTS,
+    GenerateError,
+    finalize,
+    iter_todo,
+    partial_name,
+    prepare_state,
+    scan_prompts,
+)
+from pipeline.steps.generate.store import JsonlAppender
 
-CONVERSATIONS = "conversations.jsonl"
-ERRORS = "errors.jsonl"
-OUTPUTS = [CONVERSATIONS, ERRORS]
-SETTINGS = "generate.settings.json"
-RESTARTED = "restarted"
 # A row that cannot be asked (no messages, an unknown role, text that is not Unicode): says
 # nothing about the server, so it does not count in the error rate.
 BAD_PROMPT = "bad_prompt"
 EXIT_ROWS_MISSING = 1
 EXIT_SERVERS_DEAD = 3
-
-
-def partial_name(final: str) -> str:
-    return final.replace(".jsonl", ".partial.jsonl")
-
-
-class GenerateError(Exception):
-    """A one-line reason the step cannot run; exits with ``code``."""
-
-    def __init__(self, message: str, code: int = EXIT_BAD_INPUT) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def redact_url(url: str) -> str:
@@ -104,149 +78,6 @@ def redact_url(url: str) -> str:
 def row_seed(base: int, row_id: str) -> int:
     # Per-row seed from the id: the same row gets the same seed whatever the order or resume.
     return (base + int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16)) % 2**31
-
-
-# -- input --------------------------------------------------------------------------------
-def scan_prompts(path: Path, limit: int | None) -> list[str]:
-    """The unique ids of the prompt file in order (first occurrence wins)."""
-    if not path.is_file():
-        raise GenerateError(f"prompts file {path} does not exist: run the prep step first")
-    ids: list[str] = []
-    seen: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row_id = loads(line)["id"]
-            except (ValueError, KeyError, TypeError):
-                raise GenerateError(
-                    f"{path}:{number} is not a prompt row (a JSON object with an id, as the prep step writes)"
-                ) from None
-            if row_id not in seen:
-                seen.add(row_id)
-                ids.append(row_id)
-                if limit is not None and len(ids) >= limit:
-                    break
-    return ids
-
-
-def iter_todo(path: Path, todo: set[str]) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = loads(line)
-            if row["id"] in todo:
-                todo.discard(row["id"])
-                yield row
-
-
-# -- state --------------------------------------------------------------------------------
-def settings_of(config: GenerateConfig, model: str) -> dict[str, Any]:
-    return {
-        "model": model,
-        "mode": config.mode,
-        "sampling": config.sampling.model_dump(),
-        "chat_template_kwargs": config.chat_template_kwargs,
-        "drop_truncated": config.drop_truncated,
-    }
-
-
-def prepare_state(config: GenerateConfig, model: str, console: Console) -> tuple[set[str], int]:
-    """Put the partial files in place for this run; returns (ids done, bytes of torn tails cut).
-
-    Rows made with other settings are never mixed with new ones nor deleted: without
-    ``--restart`` the step refuses to run, with it they are moved aside first.
-    """
-    out = config.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    settings = settings_of(config, model)
-    settings_path = out / SETTINGS
-    previous = _read_settings(settings_path)
-    names = [name for final in OUTPUTS for name in (final, partial_name(final))]
-    earlier = [out / name for name in names if (out / name).exists()]
-    if earlier and previous != settings and not config.restart:
-        raise GenerateError(
-            f"the rows in {out} were made with other settings "
-            f"({_settings_diff(previous, settings)}); rerun with the same settings to resume them, "
-            "or add --restart (in a pipeline file's run: EYRIE_GENERATE_RESTART=1, once) to move them "
-            "aside and start over"
-        )
-    if earlier and config.restart:
-        aside = set_aside(out, [*earlier, settings_path, out / MANIFEST_NAME])
-        console.print(f"generate: --restart: the earlier rows are kept in {aside}", markup=False)
-    # From here until the end the outputs are being changed: no manifest may vouch for them.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    for final in OUTPUTS:
-        partial = out / partial_name(final)
-        # A finished (or manifest-less) earlier attempt: resume from it like any partial.
-        if (out / final).exists() and not partial.exists():
-            os.replace(out / final, partial)
-    with atomic_path(settings_path) as tmp:
-        tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
-    cut = 0
-    done: set[str] = set()
-    for final in OUTPUTS:
-        partial = out / partial_name(final)
-        if final == ERRORS and config.retry_errors and partial.exists():
-            partial.unlink()
-            continue
-        cut += repair_tail(partial)
-        try:
-            done.update(read_ids(partial))
-        except StoreError as exc:
-            raise GenerateError(str(exc)) from None
-    return done, cut
-
-
-def _read_settings(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _settings_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
-    if old is None:
-        return f"no readable {SETTINGS} beside them"
-    before, after = _flatten(old), _flatten(new)
-    return ", ".join(
-        f"{key} {before.get(key)!r} -> {after.get(key)!r}"
-        for key in sorted(before.keys() | after.keys())
-        if before.get(key) != after.get(key)
-    )
-
-
-def set_aside(out: Path, paths: list[Path]) -> Path:
-    """Move the files of ``paths`` that exist into a new ``out/restarted/STAMP/``; returns it."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    parent = out / RESTARTED
-    parent.mkdir(exist_ok=True)
-    aside, n = parent / stamp, 1
-    while True:
-        try:
-            aside.mkdir()
-            break
-        except FileExistsError:
-            n += 1
-            aside = parent / f"{stamp}-{n}"
-    for path in paths:
-        if path.exists():
-            os.replace(path, aside / path.name)
-    fsync_dir(aside)
-    fsync_dir(out)
-    return aside
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -267,34 +98,6 @@ class Tally:
     def error(self, kind: str) -> None:
         self.errors += 1
         self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
-
-
-class ErrorRateExceeded(Exception):
-    pass
-
-
-class ErrorWindow:
-    """The share of failed rows among the last ``size`` rows that ended.
-
-    Judged once the window is full, or once every row of a shorter run has ended: a
-    few early failures of a long run say nothing yet.
-    """
-
-    def __init__(self, size: int, limit: float, rows_to_do: int) -> None:
-        self.limit = limit
-        self.outcomes: deque[bool] = deque(maxlen=size)
-        self.failed = 0
-        self.judged_from = max(1, min(size, rows_to_do))
-
-    def add(self, failed: bool) -> bool:
-        """Record one row; returns whether the failure rate is now above the limit."""
-        outcomes = self.outcomes
-        if len(outcomes) == outcomes.maxlen:
-            self.failed -= outcomes[0]
-        outcomes.append(failed)
-        self.failed += failed
-        n = len(outcomes)
-        return n >= self.judged_from and self.failed > self.limit * n
 
 
 class Generation:
@@ -520,54 +323,6 @@ class Generation:
                         f"generate: {already + t.rows_done}/{total} rows, {rps:.1f} req/s, "
                         f"{tps:.0f} tok/s, {t.errors} errors, {t.unanswered} unanswered"
                     )
-
-
-def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, Any]:
-    """Rename the partial files into place (deduplicated, only current input ids); whole-file stats."""
-    stats: dict[str, Any] = {
-        "conversations": 0,
-        "errors": 0,
-        "errors_by_kind": {},
-        "truncated": 0,
-        "fallback_last_turn": 0,
-        "tokens_in": 0,
-        "tokens_out": 0,
-        "dropped_not_in_prompts": 0,
-    }
-    seen: set[str] = set()
-    for final in (CONVERSATIONS, ERRORS):
-        partial = out / partial_name(final)
-        partial.touch()
-        keep: list[bytes] = []
-        rewrite = False
-        with open(partial, "rb") as fh:
-            for line in fh:
-                row = loads(line)
-                if row["id"] in seen or row["id"] not in input_ids:
-                    rewrite = True
-                    stats["dropped_not_in_prompts"] += row["id"] not in input_ids
-                    continue
-                seen.add(row["id"])
-                keep.append(line)
-                if final == CONVERSATIONS:
-                    stats["conversations"] += 1
-                    stats["truncated"] += bool(row.get("truncated"))
-                    stats["fallback_last_turn"] += requested_mode != row.get("mode")
-                    usage = row.get("usage") or {}
-                    stats["tokens_in"] += usage.get("prompt_tokens", 0)
-                    stats["tokens_out"] += usage.get("completion_tokens", 0)
-                else:
-                    stats["errors"] += 1
-                    kinds = stats["errors_by_kind"]
-                    kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
-        if rewrite:
-            with atomic_path(out / final) as tmp:
-                tmp.write_bytes(b"".join(keep))
-            partial.unlink()
-        else:
-            os.replace(partial, out / final)
-    fsync_dir(out)
-    return stats
 
 
 def latency_ms(seconds: Sequence[float]) -> dict[str, float] | None:

@@ -7,13 +7,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.steps.options import Cli
-from pipeline.steps.tokenize.run import (
-    DEFAULT_MAX_LENGTH,
-    DEFAULT_SHARD_ROWS,
-    DEFAULT_WORKER_MEMORY,
-    OWN_TEMPLATE,
-    SHIPPED_TEMPLATES,
-)
+from pipeline.steps.tokenize.chat_template import OWN_TEMPLATE, SHIPPED_TEMPLATES
+from pipeline.steps.tokenize.run import DEFAULT_MAX_LENGTH, DEFAULT_SHARD_ROWS, DEFAULT_WORKER_MEMORY
 
 
 class TokenizeConfig(BaseModel):

@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-from pipeline.steps.train.cli import worker_main
+from pipeline.steps.train.launch import worker_main
 
 if __name__ == "__main__":
     sys.exit(worker_main(Path(sys.argv[1])))

@@ -1,7 +1,7 @@
 """``eyrie train``: the pipeline step. Trains (or resumes), exports ``draft/``, evaluates into ``eval.json``.
 
 With ``nproc``/``nnodes`` above 1 the command runs ``torchrun``'s launcher in-process (``launch.py``);
-each worker (``python -m pipeline.steps.train``) runs :func:`worker` and rank 0 exports
+each worker (``python -m pipeline.steps.train``) runs ``launch.worker`` and rank 0 exports
 and evaluates. The manifest is written last, by the launching process of the node that
 ran rank 0, after every worker has exited cleanly. Several nodes must share the output
 folder: every rank resumes from the checkpoint rank 0 saved. With the offline placement the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,13 +23,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from pipeline.run.step_contract import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    atomic_write_text,
-    step_dir_from_env,
-    write_manifest,
-)
+from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_FAILED, step_dir_from_env, write_manifest
 from pipeline.steps.options import (
     ReleaseTarget,
     TrustRemoteCode,
@@ -42,28 +35,16 @@ from pipeline.steps.options import (
 from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.target.vision_language import language_config
-from pipeline.steps.train.config import TrainConfig
-from pipeline.steps.train.launch import launch, placement_for_launch, say
-from pipeline.steps.train.placement import PlacementError
-
-DRAFT = "draft"
-EVAL = "eval.json"
-
-
-class SettingsError(Exception):
-    """Wrong settings: one ``<where>: <field>: <message>`` line per problem."""
-
-
-def bad_input_errors() -> tuple[type[Exception], ...]:
-    """What the step raises for wrong settings or input (shards it cannot use, a target it cannot
-    load or place, too little disk for the features): said in one line, exit 2, nothing to resume.
-    Any other error is a failure, with its traceback. Imported when needed: this module stays
-    light for `eyrie --help`."""
-    from pipeline.steps.target.holding import HeldFormatError
-    from pipeline.steps.train.loop import TrainingInputError
-    from pipeline.steps.train.offline import FeaturesError
-
-    return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError, HeldFormatError)
+from pipeline.steps.train.config import SettingsError, TrainConfig
+from pipeline.steps.train.launch import (
+    DRAFT,
+    EVAL,
+    bad_input_errors,
+    launch,
+    placement_for_launch,
+    say,
+    worker,
+)
 
 
 def _read_yaml(config_file: Path) -> dict:
@@ -96,81 +77,6 @@ def load_config(config_file: Path | None, overrides: dict) -> TrainConfig:
         return TrainConfig.model_validate(values)
     except ValidationError as exc:
         raise SettingsError(validation_lines(exc, TrainConfig, where_of)) from None
-
-
-def read_resolved(path: Path) -> TrainConfig:
-    """The settings the launcher resolved for the torchrun workers."""
-    try:
-        return TrainConfig.model_validate_json(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SettingsError(f"{path}: cannot read it: {exc.strerror}") from None
-    except ValidationError as exc:
-        raise SettingsError(validation_lines(exc, TrainConfig, lambda _: str(path))) from None
-
-
-def worker(cfg: TrainConfig) -> int:
-    import torch
-
-    from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
-    from pipeline.steps.eagle3.export import export_draft
-    from pipeline.steps.train.loop import simulated_acceptance, target_for_evaluation, train
-
-    result = train(cfg)
-    if result["rank"] != 0:
-        return 0
-    built = result["built"]
-    setup, draft = built.setup, built.draft.eval()
-    export_draft(draft, cfg.out_dir / DRAFT, setup.layer_ids, dtype=setup.dtype)
-    started = time.monotonic()
-    simulated = simulated_acceptance(
-        built.source,
-        draft,
-        setup.heldout,
-        cfg.ttt_steps,
-        setup.pad_id,
-        batch_size=cfg.batch_size,
-        loss_chunk=cfg.loss_chunk,
-        precision=setup.precision,
-    )
-    prompts = setup.heldout[: cfg.eval_prompts]
-    target = target_for_evaluation(cfg, built) if prompts else None
-    real = real_acceptance(
-        target,
-        draft,
-        prompts,
-        cfg.ttt_steps,
-        cfg.eval_max_new_tokens,
-        eos_ids_of(target) if target else (),
-    )
-    report = {
-        **result["summary"],
-        "k": cfg.ttt_steps,
-        "simulated": simulated,
-        "speculative_decoding": real,
-        "eval_seconds": round(time.monotonic() - started, 1),
-        "torch_threads": torch.get_num_threads(),
-    }
-    atomic_write_text(cfg.out_dir / EVAL, json.dumps(report, indent=2) + "\n")
-    measured = real["acceptance_length"]
-    decoded = f"{measured:.2f}" if measured else "not measured (--eval-prompts 0)"
-    print(
-        f"acceptance length (K={cfg.ttt_steps}): simulated {simulated['acceptance_length']:.2f}, "
-        f"speculative decoding {decoded}",
-        flush=True,
-    )
-    return 0
-
-
-def worker_main(resolved: Path) -> int:
-    """A torchrun worker's entry: bad settings or input are one line (from each node's first
-    worker, the others would repeat it) and exit 2, which tells the launcher not to offer a resume."""
-    try:
-        worker(read_resolved(resolved))
-    except bad_input_errors() as exc:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            say(str(exc))
-        return EXIT_BAD_INPUT
-    return 0
 
 
 def check_settings(cfg: TrainConfig) -> None:

@@ -14,6 +14,10 @@ from pipeline.steps.train.placement import Placement
 from pipeline.steps.train.precision import Precision
 
 
+class SettingsError(Exception):
+    """Wrong settings: one ``<where>: <field>: <message>`` line per problem."""
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 

@@ -1,28 +1,53 @@
-"""How the processes of one training start: ``torchrun``'s launcher, run in-process by ``eyrie train``
-with ``nproc``/``nnodes`` above 1 (each worker joins its process group in ``loop.py``).
+"""How the processes of one training start, and what each runs: ``torchrun``'s launcher, run
+in-process by ``eyrie train`` with ``nproc``/``nnodes`` above 1 (each worker joins its process group
+in ``loop.py``), and the worker's body (:func:`worker`: train; on rank 0, export the draft and
+evaluate it), which ``eyrie train`` also runs in-process when it trains alone.
 
-The launcher re-executes the step once per worker (``python -m pipeline.steps.train``) and waits for
-them. It outlives every worker, so what it plans and runs before them (the placement, the offline
-features pass) runs in a child process of its own: their CUDA contexts and rows go with it.
+The launcher writes the settings it resolved (``train_config.json``), re-executes the step once per
+worker (``python -m pipeline.steps.train``, which reads them back: :func:`worker_main`) and waits
+for them. It outlives every worker, so what it plans and runs before them (the placement, the
+offline features pass) runs in a child process of its own: their CUDA contexts and rows go with it.
 
 Light on purpose (torch is imported where it is used): ``eyrie train`` imports it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_FAILED, atomic_write_text
-from pipeline.steps.train.config import TrainConfig
+from pipeline.steps.options import validation_lines
+from pipeline.steps.target import TargetError
+from pipeline.steps.train.config import SettingsError, TrainConfig
+from pipeline.steps.train.placement import PlacementError
 
 RESOLVED = "train_config.json"
+DRAFT = "draft"
+EVAL = "eval.json"
 
 
 def say(message: str) -> None:
     """``message`` on stderr, each line an ``error:`` line."""
     for line in message.splitlines():
         print(f"error: {line}", file=sys.stderr, flush=True)
+
+
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    """What the step raises for wrong settings or input (shards it cannot use, a target it cannot
+    load or place, too little disk for the features): said in one line, exit 2, nothing to resume.
+    Any other error is a failure, with its traceback. Imported when needed: this module stays
+    light for `eyrie --help`."""
+    from pipeline.steps.target.holding import HeldFormatError
+    from pipeline.steps.train.loop import TrainingInputError
+    from pipeline.steps.train.offline import FeaturesError
+
+    return (SettingsError, TargetError, PlacementError, FeaturesError, TrainingInputError, HeldFormatError)
 
 
 def launch_workers(cfg: TrainConfig, resolved: Path) -> tuple[int, bool]:
@@ -128,3 +153,80 @@ def launch(cfg: TrainConfig) -> int | None:
         )
         return 0
     return None
+
+
+# -- a worker -----------------------------------------------------------------------------
+def read_resolved(path: Path) -> TrainConfig:
+    """The settings the launcher resolved for the torchrun workers."""
+    try:
+        return TrainConfig.model_validate_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read it: {exc.strerror}") from None
+    except ValidationError as exc:
+        raise SettingsError(validation_lines(exc, TrainConfig, lambda _: str(path))) from None
+
+
+def worker(cfg: TrainConfig) -> int:
+    """Train; on global rank 0, export the draft and evaluate it into eval.json."""
+    import torch
+
+    from pipeline.steps.eagle3.decoding import eos_ids_of, real_acceptance
+    from pipeline.steps.eagle3.export import export_draft
+    from pipeline.steps.train.loop import simulated_acceptance, target_for_evaluation, train
+
+    result = train(cfg)
+    if result["rank"] != 0:
+        return 0
+    built = result["built"]
+    setup, draft = built.setup, built.draft.eval()
+    export_draft(draft, cfg.out_dir / DRAFT, setup.layer_ids, dtype=setup.dtype)
+    started = time.monotonic()
+    simulated = simulated_acceptance(
+        built.source,
+        draft,
+        setup.heldout,
+        cfg.ttt_steps,
+        setup.pad_id,
+        batch_size=cfg.batch_size,
+        loss_chunk=cfg.loss_chunk,
+        precision=setup.precision,
+    )
+    prompts = setup.heldout[: cfg.eval_prompts]
+    target = target_for_evaluation(cfg, built) if prompts else None
+    real = real_acceptance(
+        target,
+        draft,
+        prompts,
+        cfg.ttt_steps,
+        cfg.eval_max_new_tokens,
+        eos_ids_of(target) if target else (),
+    )
+    report = {
+        **result["summary"],
+        "k": cfg.ttt_steps,
+        "simulated": simulated,
+        "speculative_decoding": real,
+        "eval_seconds": round(time.monotonic() - started, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    atomic_write_text(cfg.out_dir / EVAL, json.dumps(report, indent=2) + "\n")
+    measured = real["acceptance_length"]
+    decoded = f"{measured:.2f}" if measured else "not measured (--eval-prompts 0)"
+    print(
+        f"acceptance length (K={cfg.ttt_steps}): simulated {simulated['acceptance_length']:.2f}, "
+        f"speculative decoding {decoded}",
+        flush=True,
+    )
+    return 0
+
+
+def worker_main(resolved: Path) -> int:
+    """A torchrun worker's entry: bad settings or input are one line (from each node's first
+    worker, the others would repeat it) and exit 2, which tells the launcher not to offer a resume."""
+    try:
+        worker(read_resolved(resolved))
+    except bad_input_errors() as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            say(str(exc))
+        return EXIT_BAD_INPUT
+    return 0

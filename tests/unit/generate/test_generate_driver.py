@@ -12,7 +12,8 @@ from rich.console import Console
 from pipeline.run.step_contract import read_manifest
 from pipeline.steps.generate import driver
 from pipeline.steps.generate.client import Counters
-from pipeline.steps.generate.driver import ErrorWindow, GenerateConfig, Generation, generate, latency_ms
+from pipeline.steps.generate.driver import GenerateConfig, Generation, generate, latency_ms
+from pipeline.steps.generate.error_window import ErrorWindow
 
 
 class InstantClient:

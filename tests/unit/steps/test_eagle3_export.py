@@ -114,7 +114,8 @@ def test_the_draft_loads_strictly_and_refuses_a_folder_with_other_tensors(tmp_pa
 
 
 def test_the_train_step_refuses_such_a_target_before_reading_its_weights(tmp_path):
-    from pipeline.steps.train.cli import SettingsError, check_inputs
+    from pipeline.steps.train.cli import check_inputs
+    from pipeline.steps.train.config import SettingsError
     from pipeline.steps.train.loop import TrainConfig
 
     _target(hidden_act="gelu").save_pretrained(tmp_path / "target")  # a config, no weights at all

@@ -17,8 +17,9 @@ from safetensors import safe_open
 from pipeline.steps.eagle3.export import load_draft
 from pipeline.steps.target import load_model, target_config
 from pipeline.steps.target.quantized import PACKED_EXPERTS, PackedLinear
-from pipeline.steps.train.cli import check_inputs, worker
+from pipeline.steps.train.cli import check_inputs
 from pipeline.steps.train.features import OnlineTarget
+from pipeline.steps.train.launch import worker
 from pipeline.steps.train.loop import TrainConfig
 from pipeline.steps.train.placement import target_units
 

@@ -19,17 +19,10 @@ from eyrie_testing import eyrie
 from pipeline.run.step_contract import read_manifest
 from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.tokenize import fast
-from pipeline.steps.tokenize.run import (
-    ChatTemplate,
-    TokenizeError,
-    Tokenizer,
-    _render,
-    assistant_spans,
-    mask_from_offsets,
-    prefix_spans,
-    probe_spans,
-    run_tokenize,
-)
+from pipeline.steps.tokenize.chat_template import ChatTemplate, TokenizeError, render
+from pipeline.steps.tokenize.loss_mask import assistant_spans, mask_from_offsets, prefix_spans, probe_spans
+from pipeline.steps.tokenize.run import run_tokenize
+from pipeline.steps.tokenize.tokenizer import Tokenizer
 from tests.fixtures.kimi_k25.tokenizer import write_kimi_tokenizer
 
 CONTRACTIONS = [" that's", "I'll"]
@@ -147,7 +140,7 @@ def test_spans_from_message_probes_equal_the_prefix_method_on_every_sample(
         for record, (messages, tools), result in zip(records, batch, encoded, strict=True):
             if tokenizer.template.names_calls_by_id:
                 messages = kimi_tool_call_ids(messages)
-            text, _ = _render(tokenizer.template, messages, tools, special=tokenizer.special)
+            text, _ = render(tokenizer.template, messages, tools, special=tokenizer.special)
             expected = prefix_spans(tokenizer.template, messages, tools, tokenizer.special, text)
             assert assistant_spans(tokenizer.template, messages, tools, tokenizer.special) == (
                 text,
@@ -181,7 +174,7 @@ def test_a_template_that_numbers_turns_falls_back_to_rendered_prefixes():
         "{% for m in messages %}{{ loop.index }}{{ m.role }}:{{ m.content }}|{% endfor %}"
         "{% if add_generation_prompt %}{{ messages | length + 1 }}assistant:{% endif %}"
     )
-    text, _ = _render(numbered, MESSAGES, None)
+    text, _ = render(numbered, MESSAGES, None)
     assert probe_spans(numbered, MESSAGES, None, {}, text) is None
     rendered, spans, by_prefix = assistant_spans(numbered, MESSAGES, None, {})
     assert by_prefix and [rendered[a:b] for a, b in spans] == ["b|", "d|"]
@@ -216,7 +209,7 @@ def test_eyrie_tokenize_with_the_targets_own_tokenizer_and_template(
     record = next(json.loads(line) for line in lines if json.loads(line)["id"] == row["id"])
     own_template = Tokenizer(str(kimi_k25), "tokenizer", trust_remote_code=True).template
     messages = kimi_tool_call_ids(record["conversations"])
-    text, _ = _render(own_template, messages, record.get("tools"), special=dict(own.special_tokens_map))
+    text, _ = render(own_template, messages, record.get("tools"), special=dict(own.special_tokens_map))
     assert row["input_ids"] == own.encode(text, add_special_tokens=False)[: len(row["input_ids"])]
     assert own.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]).endswith(
         "<|im_end|>"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.steps.tokenize.run import Tokenizer, _render, mask_from_offsets
+from pipeline.steps.tokenize.chat_template import render
+from pipeline.steps.tokenize.loss_mask import mask_from_offsets
+from pipeline.steps.tokenize.tokenizer import Tokenizer
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -31,14 +33,14 @@ def reference_mask(tokenizer: Tokenizer, messages: list[dict], tools) -> tuple[l
     def ids(text: str) -> list[int]:
         return tokenizer.backend.encode(text, add_special_tokens=False).ids
 
-    full, _ = _render(tokenizer.template, messages, tools, special=tokenizer.special)
+    full, _ = render(tokenizer.template, messages, tools, special=tokenizer.special)
     full_ids = ids(full)
     mask = [0] * len(full_ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = ids(_render(tokenizer.template, messages[:i], tools, True, tokenizer.special)[0])
-        through = ids(_render(tokenizer.template, messages[: i + 1], tools, False, tokenizer.special)[0])
+        before = ids(render(tokenizer.template, messages[:i], tools, True, tokenizer.special)[0])
+        through = ids(render(tokenizer.template, messages[: i + 1], tools, False, tokenizer.special)[0])
         start = common_prefix(before, full_ids)
         stable_end = common_prefix(through, full_ids)
         end = stable_end if stable_end == len(through) else stable_end + 1

@@ -203,7 +203,7 @@ def test_a_killed_worker_fails_the_step_without_shards(
     import os
     import signal
 
-    from pipeline.steps.tokenize.run import Tokenizer
+    from pipeline.steps.tokenize.tokenizer import Tokenizer
 
     # Workers are forked, so they inherit the patched method: the first batch kills its worker.
     monkeypatch.setattr(Tokenizer, "encode_lines", lambda *_: os.kill(os.getpid(), signal.SIGKILL))

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from pipeline.steps.prep.adapters import text_of
-from pipeline.steps.tokenize.run import Tokenizer
+from pipeline.steps.tokenize.tokenizer import Tokenizer
 
 SWE_SMITH = (
     Path(__file__).resolve().parents[3] / "pipeline" / "embedded" / "samples" / "swe_smith_trajectories.jsonl"

@@ -12,9 +12,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from transformers import LlamaConfig
 
 from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
-from pipeline.steps.train import cli
-from pipeline.steps.train.cli import SettingsError, check_inputs, load_config, worker_main
-from pipeline.steps.train.launch import launch_workers
+from pipeline.steps.train import cli, launch
+from pipeline.steps.train.cli import check_inputs, load_config
+from pipeline.steps.train.config import SettingsError
+from pipeline.steps.train.launch import launch_workers, worker_main
 from pipeline.steps.train.loop import TrainConfig
 
 
@@ -156,12 +157,12 @@ def test_resolved_settings_round_trip(tmp_path, inputs):
     resolved = tmp_path / "train_config.json"
     cfg = TrainConfig(**inputs, out_dir=tmp_path, layer_ids=[1, 2, 3])
     resolved.write_text(cfg.model_dump_json())
-    assert cli.read_resolved(resolved) == cfg
+    assert launch.read_resolved(resolved) == cfg
     resolved.write_text(json.dumps({**json.loads(cfg.model_dump_json()), "nproc": 0}))
     with pytest.raises(
         SettingsError, match=rf"^{resolved}: nproc: Input should be greater than or equal to 1"
     ):
-        cli.read_resolved(resolved)
+        launch.read_resolved(resolved)
 
 
 def test_an_unknown_placement_is_one_line_naming_the_choices(inputs):
@@ -183,7 +184,7 @@ def test_an_internal_error_is_a_failure_with_its_traceback_never_a_bad_input_lin
     def buggy(cfg):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(cli, "worker", buggy)
+    monkeypatch.setattr(launch, "worker", buggy)
     with pytest.raises(ValueError, match="a bug"):
         worker_main(resolved)
 
