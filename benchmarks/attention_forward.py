@@ -35,8 +35,10 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
-        print("error: needs a CUDA device and the flash_attn package (the pipeline image on a GPU host)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: needs a CUDA device and the flash_attn package (the pipeline image on a GPU host)",
+            file=sys.stderr,
+        )
         return 2
     from pipeline.steps.target import load_model, use_attention
     from pipeline.steps.train.features import OnlineTarget

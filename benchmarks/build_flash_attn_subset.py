@@ -63,31 +63,54 @@ def run_fixed(max_jobs: int, budget: int, work: Path, **ninja_args) -> dict:
     build = work / f"fixed-{max_jobs}"
     write_subset_ninja(build, str(CUDA_HOME / "bin" / "nvcc"), **ninja_args)
     started = time.time()
-    attempt = LocalExecutor(parent=step_parent()).start(Launch(
-        run_id="bench", step=f"ninja-j{max_jobs}-{work.name}", attempt=1,
-        argv=["ninja", "-j", str(max_jobs)], cwd=build, env={"PATH": os.environ["PATH"]},
-        limit_bytes=budget, stdout_path=work / f"fixed-{max_jobs}.out",
-        stderr_path=work / f"fixed-{max_jobs}.err",
-    ))  # fmt: skip
+    attempt = LocalExecutor(parent=step_parent()).start(
+        Launch(
+            run_id="bench",
+            step=f"ninja-j{max_jobs}-{work.name}",
+            attempt=1,
+            argv=["ninja", "-j", str(max_jobs)],
+            cwd=build,
+            env={"PATH": os.environ["PATH"]},
+            limit_bytes=budget,
+            stdout_path=work / f"fixed-{max_jobs}.out",
+            stderr_path=work / f"fixed-{max_jobs}.err",
+        )
+    )
     outcome = attempt.wait()
-    return {"strategy": f"MAX_JOBS={max_jobs}", "oom_kills": outcome.oom_kills,
-            "completed": outcome.exit_code == 0, "wall_s": round(time.time() - started, 1),
-            "peak_bytes": outcome.peak_bytes}  # fmt: skip
+    return {
+        "strategy": f"MAX_JOBS={max_jobs}",
+        "oom_kills": outcome.oom_kills,
+        "completed": outcome.exit_code == 0,
+        "wall_s": round(time.time() - started, 1),
+        "peak_bytes": outcome.peak_bytes,
+    }
 
 
-def run_scheduler(budget: int, cpus: int, work: Path, run_dir: Path, archs: tuple[str, ...], threads: int,
-                  **ninja_args) -> dict:  # fmt: skip
+def run_scheduler(
+    budget: int, cpus: int, work: Path, run_dir: Path, archs: tuple[str, ...], threads: int, **ninja_args
+) -> dict:
     build = work / "scheduler"
     profile = load_profile(archs, threads)
     started = time.time()
     nvcc = CUDA_HOME / "bin" / "nvcc"
-    with BuildBroker(nvcc=str(nvcc), nvcc_version=nvcc_release(nvcc).release,
-                     package=f"flash-attn {source_version(ninja_args['source'])}", profile=profile,
-                     budget=budget, cpu_slots=cpus, run_dir=run_dir) as broker:  # fmt: skip
+    with BuildBroker(
+        nvcc=str(nvcc),
+        nvcc_version=nvcc_release(nvcc).release,
+        package=f"flash-attn {source_version(ninja_args['source'])}",
+        profile=profile,
+        budget=budget,
+        cpu_slots=cpus,
+        run_dir=run_dir,
+    ) as broker:
         write_subset_ninja(build, broker.env()["PYTORCH_NVCC"], **ninja_args)
         jobs = str(len(ninja_args["files"]))
-        done = subprocess.run(["ninja", "-j", jobs], cwd=build, env={**os.environ, **broker.env()},
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["ninja", "-j", jobs],
+            cwd=build,
+            env={**os.environ, **broker.env()},
+            capture_output=True,
+            text=True,
+        )
         run_id = broker.run_id
     report = broker.report()
     ledger = Ledger(run_dir, create=False)
@@ -96,13 +119,25 @@ def run_scheduler(budget: int, cpus: int, work: Path, run_dir: Path, archs: tupl
         attempts = [a for a in ledger.attempts() if a.run_id == run_id]
     finally:
         ledger.close()
-    return {"strategy": "eyrie scheduler", "oom_kills": report.oom_kills,
-            "completed": done.returncode == 0, "wall_s": round(time.time() - started, 1),
-            "peak_reserved": report.peak_reserved, "run_id": run_id,
-            "shrunk": sum(len(held.get(a.id, [])) > 1 for a in attempts),
-            "jobs": {j.name: {"anon_peak": j.anon_peak, "wall_s": round(j.wall_s or 0, 1),
-                              "verdicts": j.verdicts, "reservations": j.reservations} for j in report.jobs},
-            "reservations": {a.step: held.get(a.id, []) for a in attempts}}  # fmt: skip
+    return {
+        "strategy": "eyrie scheduler",
+        "oom_kills": report.oom_kills,
+        "completed": done.returncode == 0,
+        "wall_s": round(time.time() - started, 1),
+        "peak_reserved": report.peak_reserved,
+        "run_id": run_id,
+        "shrunk": sum(len(held.get(a.id, [])) > 1 for a in attempts),
+        "jobs": {
+            j.name: {
+                "anon_peak": j.anon_peak,
+                "wall_s": round(j.wall_s or 0, 1),
+                "verdicts": j.verdicts,
+                "reservations": j.reservations,
+            }
+            for j in report.jobs
+        },
+        "reservations": {a.step: held.get(a.id, []) for a in attempts},
+    }
 
 
 def _load() -> list[str]:
@@ -135,15 +170,20 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="eyrie-bench-", dir="/var/tmp") as tmp:
         work = Path(tmp)
-        variables = setup_ninja_variables(args.source.resolve(), args.python, CUDA_HOME, args.arch,
-                                          args.threads, work)  # fmt: skip
+        variables = setup_ninja_variables(
+            args.source.resolve(), args.python, CUDA_HOME, args.arch, args.threads, work
+        )
         headers = args.headers_python or args.python
         variables = with_torch_headers_of(variables, args.python, headers)
         if args.cxx_standard:
             raised = f"-std={args.cxx_standard}"
             variables = {k: v.replace("-std=c++17", raised) for k, v in variables.items()}
-        ninja_args = {"variables": variables, "source": args.source.resolve(), "files": files,
-                      "extra_include": torch_header_shim(headers, work)}  # fmt: skip
+        ninja_args = {
+            "variables": variables,
+            "source": args.source.resolve(),
+            "files": files,
+            "extra_include": torch_header_shim(headers, work),
+        }
         archs = tuple(a for a in args.arch.split(";") if a)
         results = [run_scheduler(budget, cpus, work, args.run_dir, archs, args.threads, **ninja_args)]
         results[-1]["load_after"] = _load()
@@ -155,9 +195,22 @@ def main() -> None:
         flags = shlex.split(variables["cuda_post_cflags"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     nvcc = nvcc_release(CUDA_HOME / "bin" / "nvcc").full
-    args.out.write_text(json.dumps({"files": files, "budget": budget, "cpus": cpus, "arch": args.arch,
-                                    "threads": args.threads, "nvcc": nvcc,
-                                    "nvcc_flags": flags, "results": results}, indent=1) + "\n")  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "files": files,
+                "budget": budget,
+                "cpus": cpus,
+                "arch": args.arch,
+                "threads": args.threads,
+                "nvcc": nvcc,
+                "nvcc_flags": flags,
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print("| strategy | OOM kills | completed | wall |\n|---|---|---|---|")
     for r in results:
         print(

@@ -45,10 +45,18 @@ def measured_entries(run_dir: Path, run_ids: set[str], key_of: Callable[[str], J
             if row.run_id not in run_ids or row.verdict != "succeeded" or not row.anon_peak_bytes:
                 continue
             key = key_of(row.step)
-            entries.append(ProfileEntry(
-                key.source, list(key.archs), key.threads, key.nvcc, row.anon_peak_bytes,
-                round(row.wall_s, 2), key.package, shape=shape_of(ledger.timeline(row.id)),
-            ))  # fmt: skip
+            entries.append(
+                ProfileEntry(
+                    key.source,
+                    list(key.archs),
+                    key.threads,
+                    key.nvcc,
+                    row.anon_peak_bytes,
+                    round(row.wall_s, 2),
+                    key.package,
+                    shape=shape_of(ledger.timeline(row.id)),
+                )
+            )
         return entries
     finally:
         ledger.close()
@@ -80,23 +88,35 @@ def main() -> None:
     profile = load_profile(archs, args.threads)
     with tempfile.TemporaryDirectory(prefix="eyrie-measure-", dir="/var/tmp") as tmp:
         work = Path(tmp)
-        variables = setup_ninja_variables(source, args.python, args.cuda_home, ";".join(archs),
-                                          args.threads, work)  # fmt: skip
+        variables = setup_ninja_variables(
+            source, args.python, args.cuda_home, ";".join(archs), args.threads, work
+        )
         raised = f"-std={args.cxx_standard}"
         variables = {k: v.replace("-std=c++17", raised) for k, v in variables.items()}
-        with BuildBroker(nvcc=str(args.cuda_home / "bin" / "nvcc"), nvcc_version=nvcc.release,
-                         package=f"flash-attn {version}", profile=profile, budget=parse_size(args.budget),
-                         cpu_slots=args.cpus, run_dir=args.run_dir) as broker:  # fmt: skip
+        with BuildBroker(
+            nvcc=str(args.cuda_home / "bin" / "nvcc"),
+            nvcc_version=nvcc.release,
+            package=f"flash-attn {version}",
+            profile=profile,
+            budget=parse_size(args.budget),
+            cpu_slots=args.cpus,
+            run_dir=args.run_dir,
+        ) as broker:
             write_subset_ninja(work / "build", broker.env()["PYTORCH_NVCC"], variables, source, files)
-            ninja = subprocess.Popen(["ninja", "-k", "0", "-j", str(len(files))], cwd=work / "build",
-                                     env={**os.environ, **broker.env()})  # fmt: skip
+            ninja = subprocess.Popen(
+                ["ninja", "-k", "0", "-j", str(len(files))],
+                cwd=work / "build",
+                env={**os.environ, **broker.env()},
+            )
             stop = threading.Event()
 
             def save() -> None:
-                note = (f"flash-attn {version}, nvcc {nvcc.full}, sm {';'.join(archs)}, --threads "
-                        f"{args.threads}, the flags of its setup.py with {raised}, measured by "
-                        f"benchmarks/build_measure_profiles.py (run {broker.run_id}), each job in its own "
-                        f"cgroup, {args.cpus} at most at once")  # fmt: skip
+                note = (
+                    f"flash-attn {version}, nvcc {nvcc.full}, sm {';'.join(archs)}, --threads "
+                    f"{args.threads}, the flags of its setup.py with {raised}, measured by "
+                    f"benchmarks/build_measure_profiles.py (run {broker.run_id}), each job in its own "
+                    f"cgroup, {args.cpus} at most at once"
+                )
                 measured = Profile(measured_entries(args.run_dir, {broker.run_id}, key_of), default_peak=1)
                 measured.save(args.out, note=note)
 

@@ -94,8 +94,10 @@ def time_scale(factor: float, entries: list[ProfileEntry]) -> float:
 
 def matches_incident(factor: float, entries: list[ProfileEntry]) -> bool:
     jobs = jobs_for(factor, entries, time_scale(factor, entries))
-    return (simulate_fixed(jobs, 32, cores=CORES, memory=MEMORY).oom_at is not None
-            and simulate_fixed(jobs, 20, cores=CORES, memory=MEMORY).oom_at is None)  # fmt: skip
+    return (
+        simulate_fixed(jobs, 32, cores=CORES, memory=MEMORY).oom_at is not None
+        and simulate_fixed(jobs, 20, cores=CORES, memory=MEMORY).oom_at is None
+    )
 
 
 def fitted_factors(entries: list[ProfileEntry]) -> list[float]:
@@ -166,8 +168,10 @@ def run(label: str, factor: float, entries: list[ProfileEntry]) -> list[str]:
     lines.append(_row("eyrie scheduler, real peaks 10% above the predictions", r.low))
     lines.append(_row("eyrie scheduler", r.scheduler))
     lines.append("")
-    lines.append(f"limits: Σ(cpu-seconds)/cores {r.cpu_bound / 60:.2f} min, Σ(memory × time)/budget "
-                 f"{r.memory_bound / 60:.2f} min, longest job {r.longest / 60:.2f} min")  # fmt: skip
+    lines.append(
+        f"limits: Σ(cpu-seconds)/cores {r.cpu_bound / 60:.2f} min, Σ(memory × time)/budget "
+        f"{r.memory_bound / 60:.2f} min, longest job {r.longest / 60:.2f} min"
+    )
     if r.scheduler.makespan and best:
         oracle = r.fixed[best].makespan
         ratio = f"scheduler / best fixed (MAX_JOBS={best}): {r.scheduler.makespan / oracle:.2f}×"
@@ -185,8 +189,10 @@ def _row(label: str, r: SimResult) -> str:
     makespan = f"{r.makespan / 60:.2f} min" if r.makespan is not None else "—"
     done = str(r.done_before_oom) if r.oom_at is not None else "72"
     reserved = f"{r.peak_reserved / 1e9:.0f} GB" if r.peak_reserved else "—"
-    return (f"| {label} | {oom} | {makespan} | {done} | {r.peak_memory / 1e9:.0f} GB | {reserved} "
-            f"| {r.max_parallel} |")  # fmt: skip
+    return (
+        f"| {label} | {oom} | {makespan} | {done} | {r.peak_memory / 1e9:.0f} GB | {reserved} "
+        f"| {r.max_parallel} |"
+    )
 
 
 def main() -> None:

@@ -87,8 +87,9 @@ class _Clock:
         return finished
 
 
-def simulate_fixed(jobs: list[SimJob], max_jobs: int, *, cores: int, memory: int,
-                   dt: float = 1.0) -> SimResult:  # fmt: skip
+def simulate_fixed(
+    jobs: list[SimJob], max_jobs: int, *, cores: int, memory: int, dt: float = 1.0
+) -> SimResult:
     """ninja -j max_jobs: jobs start in file order whenever fewer than max_jobs run."""
     clock = _Clock(jobs, cores, memory, dt, f"MAX_JOBS={max_jobs}")
     queue = list(jobs)
@@ -102,8 +103,16 @@ def simulate_fixed(jobs: list[SimJob], max_jobs: int, *, cores: int, memory: int
     return clock.result
 
 
-def simulate_scheduler(jobs: list[SimJob], *, budget: int, cores: int, memory: int, dt: float = 1.0,
-                       margin: float = SAFETY_MARGIN, shrink: bool = True) -> SimResult:  # fmt: skip
+def simulate_scheduler(
+    jobs: list[SimJob],
+    *,
+    budget: int,
+    cores: int,
+    memory: int,
+    dt: float = 1.0,
+    margin: float = SAFETY_MARGIN,
+    shrink: bool = True,
+) -> SimResult:
     """The AdmissionScheduler (the one the build broker uses) with every job waiting from t=0."""
     clock = _Clock(jobs, cores, memory, dt, "scheduler")
     scheduler = AdmissionScheduler(budget, cores)
@@ -111,8 +120,9 @@ def simulate_scheduler(jobs: list[SimJob], *, budget: int, cores: int, memory: i
     for j in jobs:
         predicted = j.predicted or j.peak
         watch = ShapeWatch(predicted, j.shape, margin) if shrink else None
-        handles[j.name] = Job(j.name, math.ceil(predicted * margin), slots=j.threads, wall_s=j.duration,
-                              watch=watch)  # fmt: skip
+        handles[j.name] = Job(
+            j.name, math.ceil(predicted * margin), slots=j.threads, wall_s=j.duration, watch=watch
+        )
     for job in jobs:
         for admitted in scheduler.submit(handles[job.name]):
             clock.running[admitted.name] = 0.0

@@ -15,19 +15,33 @@ import subprocess
 from pathlib import Path
 
 
-def setup_ninja_variables(source: Path, python: str, cuda_home: Path, archs: str, threads: int,
-                          work: Path) -> dict[str, str]:  # fmt: skip
-    env = {**os.environ, "CUDA_HOME": str(cuda_home), "FLASH_ATTN_CUDA_ARCHS": archs,
-           "NVCC_THREADS": str(threads), "MAX_JOBS": "1", "PYTORCH_NVCC": "/bin/false",
-           "FLASH_ATTENTION_FORCE_BUILD": "TRUE"}  # fmt: skip
+def setup_ninja_variables(
+    source: Path, python: str, cuda_home: Path, archs: str, threads: int, work: Path
+) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "CUDA_HOME": str(cuda_home),
+        "FLASH_ATTN_CUDA_ARCHS": archs,
+        "NVCC_THREADS": str(threads),
+        "MAX_JOBS": "1",
+        "PYTORCH_NVCC": "/bin/false",
+        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",
+    }
     temp = work / "setup-temp"
-    done = subprocess.run([python, "setup.py", "build_ext", "--build-temp", str(temp)], cwd=source,
-                          env=env, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [python, "setup.py", "build_ext", "--build-temp", str(temp)],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     ninja_file = temp / "build.ninja"
     if not ninja_file.is_file():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"flash-attn's setup.py in {source} wrote no ninja file ({last}); "
-                           f"is it a flash-attn source tree, and does {python} import torch?")  # fmt: skip
+        raise RuntimeError(
+            f"flash-attn's setup.py in {source} wrote no ninja file ({last}); "
+            f"is it a flash-attn source tree, and does {python} import torch?"
+        )
     out = {}
     for line in ninja_file.read_text().splitlines():
         if " = " in line and not line.startswith(" "):
@@ -39,8 +53,10 @@ def setup_ninja_variables(source: Path, python: str, cuda_home: Path, archs: str
 def torch_include(python: str) -> str:
     probe = subprocess.run(
         [python, "-c", "import torch.utils.cpp_extension as c; print(c.include_paths()[0])"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return probe.stdout.strip()
 
 
@@ -71,8 +87,9 @@ def torch_header_shim(python: str, work: Path) -> str:
     return f"-I{work / 'shim'}"
 
 
-def write_subset_ninja(build: Path, nvcc: str, variables: dict[str, str], source: Path,
-                       files: list[str], extra_include: str = "") -> None:  # fmt: skip
+def write_subset_ninja(
+    build: Path, nvcc: str, variables: dict[str, str], source: Path, files: list[str], extra_include: str = ""
+) -> None:
     lines = [
         "ninja_required_version = 1.3",
         f"nvcc = {nvcc}",
@@ -83,7 +100,8 @@ def write_subset_ninja(build: Path, nvcc: str, variables: dict[str, str], source
         "  depfile = $out.d",
         "  deps = gcc",
     ]
-    lines += [f"build {build / Path(f).stem}.o: cuda_compile {source / 'csrc/flash_attn/src' / f}"
-              for f in files]  # fmt: skip
+    lines += [
+        f"build {build / Path(f).stem}.o: cuda_compile {source / 'csrc/flash_attn/src' / f}" for f in files
+    ]
     build.mkdir(parents=True, exist_ok=True)
     (build / "build.ninja").write_text("\n".join(lines) + "\n")

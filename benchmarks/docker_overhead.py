@@ -27,8 +27,16 @@ def main() -> None:
     args = parser.parse_args()
     local = measure(args.steps, chained=True, executor=LocalExecutor())
     docker = measure(args.steps, chained=True, executor=DockerExecutor(image=args.image))
-    print(json.dumps({"steps": args.steps, "local_s_per_step": round(local, 3),
-                      "docker_s_per_step": round(docker, 3), "target_docker_s_per_step": 3.0}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "local_s_per_step": round(local, 3),
+                "docker_s_per_step": round(docker, 3),
+                "target_docker_s_per_step": 3.0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -157,8 +157,19 @@ def bare_main(name: str, url: str, prompts: Path, concurrency: int) -> None:
 # -- the turns ----------------------------------------------------------------------------------------------
 def client_argv(name: str, url: str, prompts: Path, out: Path, concurrency: int) -> list[str]:
     if name == "eyrie":
-        return [sys.executable, "-m", "pipeline.cli", "generate", str(prompts), "--url", url,
-                "--concurrency", str(concurrency), "--out-dir", str(out)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "generate",
+            str(prompts),
+            "--url",
+            url,
+            "--concurrency",
+            str(concurrency),
+            "--out-dir",
+            str(out),
+        ]
     module = "benchmarks.generate_overhead"
     return [sys.executable, "-m", module, name, url, str(prompts), str(concurrency)]
 
@@ -211,8 +222,10 @@ def instructions(name: str, url: str, prompts: Path, out: Path, concurrency: int
 
 def count_instructions(args: argparse.Namespace) -> None:
     """Instructions per request, free of the machine's load: (count at 2N prompts - at N) / N."""
-    print(f"instructions per request (callgrind), {args.rows} and {2 * args.rows} prompts, "
-          f"concurrency {args.concurrency}")  # fmt: skip
+    print(
+        f"instructions per request (callgrind), {args.rows} and {2 * args.rows} prompts, "
+        f"concurrency {args.concurrency}"
+    )
     with tempfile.TemporaryDirectory(prefix="eyrie-bench-gen-") as tmp:
         sizes = {n: Path(tmp) / f"prompts-{n}.jsonl" for n in (args.rows, 2 * args.rows)}
         for n, path in sizes.items():
@@ -220,10 +233,12 @@ def count_instructions(args: argparse.Namespace) -> None:
         server, url = start_server(None)
         try:
             counts = {
-                name: [instructions(name, url, path, Path(tmp) / f"out-{name}-{n}", args.concurrency)
-                       for n, path in sizes.items()]
+                name: [
+                    instructions(name, url, path, Path(tmp) / f"out-{name}-{n}", args.concurrency)
+                    for n, path in sizes.items()
+                ]
                 for name in CLIENTS
-            }  # fmt: skip
+            }
         finally:
             server.kill()
             server.wait()
@@ -237,9 +252,11 @@ def count_instructions(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          f"priority={args.priority}, pinned={args.pin}; {args.rows} prompts, "
-          f"concurrency {args.concurrency}, {args.repeats} turns")  # fmt: skip
+    print(
+        f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        f"priority={args.priority}, pinned={args.pin}; {args.rows} prompts, "
+        f"concurrency {args.concurrency}, {args.repeats} turns"
+    )
     clients = CLIENTS + ["bare-httpx"] if args.httpx else CLIENTS
     turns: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="eyrie-bench-gen-") as tmp:
@@ -256,15 +273,21 @@ def measure(args: argparse.Namespace) -> None:
                     result = run_client(name, url, prompts, out, args.concurrency, "0" if args.pin else None)
                     results[name] = figures(result)
                 turns.append(results)
-                print(f"  turn {turn + 1}: " + "; ".join(
-                    f"{name} {f['rps']:,.0f} req/s {f['cpu_us']:.0f} µs" for name, f in results.items()
-                ), flush=True)  # fmt: skip
+                print(
+                    f"  turn {turn + 1}: "
+                    + "; ".join(
+                        f"{name} {f['rps']:,.0f} req/s {f['cpu_us']:.0f} µs" for name, f in results.items()
+                    ),
+                    flush=True,
+                )
         finally:
             server.kill()
             server.wait()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print("| client | req/s, request phase | CPU µs/request, request phase | req/s, process "
-          "| CPU µs/request, process |")  # fmt: skip
+    print(
+        "| client | req/s, request phase | CPU µs/request, request phase | req/s, process "
+        "| CPU µs/request, process |"
+    )
     print("|---|---|---|---|---|")
     for name in clients:
         cells = [f"{statistics.median(t[name][key] for t in turns):,.0f}" for key in COLUMNS]
@@ -289,9 +312,10 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="clients on CPU 0, the server on CPU 1")
     parser.add_argument("--httpx", action="store_true", help="also a bare httpx AsyncClient (slow)")
     parser.add_argument(
-        "--instructions", action="store_true",
+        "--instructions",
+        action="store_true",
         help="count instructions per request under valgrind instead (--rows N: runs of N and 2N)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.instructions:
         count_instructions(args)

@@ -34,14 +34,23 @@ def write_prompts(path: Path, count: int) -> None:
     with open(path, "w") as fh:
         for i, message in enumerate(firsts[:count]):
             content = str(message["content"])[:1000]
-            fh.write(json.dumps({"id": f"s{i:04d}", "source": "samples",
-                                 "messages": [{"role": "user", "content": content}]}) + "\n")  # fmt: skip
+            fh.write(
+                json.dumps(
+                    {
+                        "id": f"s{i:04d}",
+                        "source": "samples",
+                        "messages": [{"role": "user", "content": content}],
+                    }
+                )
+                + "\n"
+            )
 
 
 def warm_up(url: str, model: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    request = urllib.request.Request(url + "/v1/chat/completions", body.encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}
+    )
     urllib.request.urlopen(request, timeout=300).read()
 
 
@@ -77,17 +86,29 @@ def sweep(url: str, model: Path, prompts: Path, root: Path, args: argparse.Names
     for concurrency in args.concurrency:
         out = root / f"out-{url.rsplit(':', 1)[1]}-c{concurrency}"
         config = GenerateConfig(
-            prompts=prompts, out_dir=out, urls=[url], model=str(model), concurrency=concurrency,
+            prompts=prompts,
+            out_dir=out,
+            urls=[url],
+            model=str(model),
+            concurrency=concurrency,
             sampling=Sampling(temperature=0.0, max_tokens=args.max_tokens),
-        )  # fmt: skip
+        )
         started = time.monotonic()
         if generate(config, quiet) != 0:
             raise SystemExit(f"generation failed at concurrency {concurrency}; see {root}/serve.log")
         wall = time.monotonic() - started
         stats = json.loads((out / "manifest.json").read_text())["stats"]
         attempt = stats["this_attempt"]
-        rows.append((concurrency, attempt["requests"], attempt["req_per_s"],
-                     attempt["tok_out_per_s"], stats["tokens_out"], wall))  # fmt: skip
+        rows.append(
+            (
+                concurrency,
+                attempt["requests"],
+                attempt["req_per_s"],
+                attempt["tok_out_per_s"],
+                stats["tokens_out"],
+                wall,
+            )
+        )
     return rows
 
 

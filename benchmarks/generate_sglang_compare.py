@@ -96,8 +96,12 @@ def run_eyrie(url: str, prompts: Path, out: Path, concurrency: int, max_tokens: 
     subprocess.run(argv, cwd=REPO, check=True)
     attempt = json.loads((out / "manifest.json").read_text())["stats"]["this_attempt"]
     latency = attempt["e2e_latency_ms"]
-    return {"req_per_s": attempt["req_per_s"], "tok_out_per_s": attempt["tok_out_per_s"],
-            "p50_ms": latency["p50"], "p99_ms": latency["p99"]}  # fmt: skip
+    return {
+        "req_per_s": attempt["req_per_s"],
+        "tok_out_per_s": attempt["tok_out_per_s"],
+        "p50_ms": latency["p50"],
+        "p99_ms": latency["p99"],
+    }
 
 
 def run_bench_serving(
@@ -128,8 +132,12 @@ def run_bench_serving(
     ]
     subprocess.run(argv, check=True)
     result = json.loads(out.read_text().splitlines()[-1])
-    return {"req_per_s": result["request_throughput"], "tok_out_per_s": result["output_throughput"],
-            "p50_ms": result["median_e2e_latency_ms"], "p99_ms": result["p99_e2e_latency_ms"]}  # fmt: skip
+    return {
+        "req_per_s": result["request_throughput"],
+        "tok_out_per_s": result["output_throughput"],
+        "p50_ms": result["median_e2e_latency_ms"],
+        "p99_ms": result["p99_e2e_latency_ms"],
+    }
 
 
 def main() -> None:
@@ -195,8 +203,10 @@ def main() -> None:
     print("| concurrency | req/s | out tok/s | E2E latency p50 ms | E2E latency p99 ms |")
     print("|---|---|---|---|---|")
     for concurrency, ours, ref in rows:
-        cells = [f"{ours[k]:.2f} / {ref[k]:.2f}" if k == "req_per_s" else f"{ours[k]:.0f} / {ref[k]:.0f}"
-                 for k in ("req_per_s", "tok_out_per_s", "p50_ms", "p99_ms")]  # fmt: skip
+        cells = [
+            f"{ours[k]:.2f} / {ref[k]:.2f}" if k == "req_per_s" else f"{ours[k]:.0f} / {ref[k]:.0f}"
+            for k in ("req_per_s", "tok_out_per_s", "p50_ms", "p99_ms")
+        ]
         print(f"| {concurrency} | " + " | ".join(cells) + " |")
     print("(each cell: eyrie generate / sglang.bench_serving)")
 

@@ -47,9 +47,12 @@ def measure(folder: Path, way: str, batch: int, length: int, passes: int, thread
     gpu = device == "cuda"
     started = time.perf_counter()
     model = load_model(
-        folder, dtype=torch.bfloat16 if gpu else torch.float32, trust_remote_code=True,
-        device_map={"": "cuda:0"} if gpu else None, dequantize=way == "dequantized",
-    )  # fmt: skip
+        folder,
+        dtype=torch.bfloat16 if gpu else torch.float32,
+        trust_remote_code=True,
+        device_map={"": "cuda:0"} if gpu else None,
+        dequantize=way == "dequantized",
+    )
     loaded = time.perf_counter() - started
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     vocab = model.config.vocab_size

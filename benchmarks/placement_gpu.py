@@ -30,20 +30,44 @@ from pipeline.steps.train.loop import TrainConfig, train
 
 TARGETS = {
     "dense-8b": LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
     ),
     "moe-16b": DeepseekV3Config(
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6,
-        n_shared_experts=2, n_group=1, topk_group=1, num_attention_heads=16, num_key_value_heads=16,
-        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        first_k_dense_replace=1,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     "tiny": LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
     ),
-}  # fmt: skip
+}
 
 
 def active_parameters(model) -> int:
@@ -105,11 +129,20 @@ def main() -> None:
         flops = draft_flops_per_token(draft.config, args.ttt, args.seq) + 2 * active
         for placement in args.placements.split(","):
             cfg = TrainConfig(
-                data=shards, target=target, out_dir=Path(tmp) / placement, target_placement=placement,
-                draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt, batch_size=args.batch,
-                max_length=args.seq, max_steps=args.steps, checkpoint_every=args.steps, log_every=args.steps,
-                heldout_fraction=0.0, eval_prompts=0,
-            )  # fmt: skip
+                data=shards,
+                target=target,
+                out_dir=Path(tmp) / placement,
+                target_placement=placement,
+                draft_vocab_size=args.draft_vocab,
+                ttt_steps=args.ttt,
+                batch_size=args.batch,
+                max_length=args.seq,
+                max_steps=args.steps,
+                checkpoint_every=args.steps,
+                log_every=args.steps,
+                heldout_fraction=0.0,
+                eval_prompts=0,
+            )
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
             summary = train(cfg, log=lambda _: None)["summary"]

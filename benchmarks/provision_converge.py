@@ -63,8 +63,10 @@ def main() -> int:
         started = time.monotonic()
         verify = subprocess.run(
             [sys.executable, "-m", "pipeline.cli", "verify", "--inventory", str(host.inventory)],
-            cwd=REPO, capture_output=True, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         summary = verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-200:]
         rows.append(("eyrie verify (testinfra)", time.monotonic() - started, summary.strip("= ")))
     print("| phase | seconds | result |\n|---|---|---|")

@@ -24,10 +24,16 @@ from pipeline.steps.train.features import LOGITS_CHUNK
 from pipeline.steps.train.placement import Device, draft_bytes, plan, target_units
 
 QWEN3_8B = Qwen3Config(
-    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 GPU_BYTES = 96 * 10**9
 CONTEXT = 1024**3
 PROCESSES = 8

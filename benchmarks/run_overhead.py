@@ -33,13 +33,19 @@ class Quiet:
 
 def measure(steps: int, chained: bool, executor: Executor | None = None) -> float:
     """Wall seconds per step of N `true` steps, chained or independent, under ``executor``."""
-    spec = PipelineSpec.model_validate({
-        "steps": [
-            {"name": f"s{i}", "command": ["true"], "memory": "64MiB",
-             "needs": [f"s{i - 1}"] if chained and i else []}
-            for i in range(steps)
-        ],
-    })  # fmt: skip
+    spec = PipelineSpec.model_validate(
+        {
+            "steps": [
+                {
+                    "name": f"s{i}",
+                    "command": ["true"],
+                    "memory": "64MiB",
+                    "needs": [f"s{i - 1}"] if chained and i else [],
+                }
+                for i in range(steps)
+            ],
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = Path(tmp) / "pipeline.yaml"
         pipeline.write_text("")
@@ -57,8 +63,16 @@ def main() -> None:
     args = parser.parse_args()
     chained = measure(args.steps, chained=True)
     parallel = measure(args.steps, chained=False)
-    print(json.dumps({"steps": args.steps, "chained_s_per_step": round(chained, 3),
-                      "independent_s_per_step": round(parallel, 3), "target_s_per_step": 0.5}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "chained_s_per_step": round(chained, 3),
+                "independent_s_per_step": round(parallel, 3),
+                "target_s_per_step": 0.5,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

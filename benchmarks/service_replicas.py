@@ -36,8 +36,15 @@ def pipeline(model: Path, prompts: Path, replicas: int, in_flight: int, max_toke
         "services": [
             {
                 "name": "target",
-                "command": ["eyrie", "serve", str(model), "--port", "${EYRIE_SERVICE_PORT}", "--engine",
-                            "transformers"],
+                "command": [
+                    "eyrie",
+                    "serve",
+                    str(model),
+                    "--port",
+                    "${EYRIE_SERVICE_PORT}",
+                    "--engine",
+                    "transformers",
+                ],
                 "memory": "3GiB",
                 "replicas": replicas,
                 "startup_timeout": "10m",
@@ -46,13 +53,22 @@ def pipeline(model: Path, prompts: Path, replicas: int, in_flight: int, max_toke
         "steps": [
             {
                 "name": "generate",
-                "command": ["eyrie", "generate", str(prompts), "--max-tokens", str(max_tokens),
-                            "--temperature", "0", "--concurrency", str(max(1, in_flight // replicas))],
+                "command": [
+                    "eyrie",
+                    "generate",
+                    str(prompts),
+                    "--max-tokens",
+                    str(max_tokens),
+                    "--temperature",
+                    "0",
+                    "--concurrency",
+                    str(max(1, in_flight // replicas)),
+                ],
                 "memory": "1GiB",
                 "uses": ["target"],
             }
         ],
-    }  # fmt: skip
+    }
 
 
 def one_run(root: Path, name: str, spec: dict, executor: str) -> float:

@@ -32,9 +32,15 @@ def measure(cfg: TrainConfig, eval_prompts: int, max_new_tokens: int = 64) -> di
     target, draft, heldout = result["target"], result["draft"].eval(), result["heldout"]
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
     simulated = simulated_acceptance(
-        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk,
+        source,
+        draft,
+        heldout,
+        cfg.ttt_steps,
+        0,
+        batch_size=cfg.batch_size,
+        loss_chunk=cfg.loss_chunk,
         precision=result["summary"]["precision"],
-    )  # fmt: skip
+    )
     started = time.monotonic()
     real = real_acceptance(
         target, draft, heldout[:eval_prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
@@ -59,11 +65,19 @@ def run(precision: str, args: argparse.Namespace) -> dict:
     """One precision's measurement, in the process it is called in."""
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(
-            data=ensure_distilled_shards(), target=ensure_tiny_target(), out_dir=Path(out),
-            draft_vocab_size=2048, ttt_steps=7, lr=3e-3, batch_size=args.batch_size,
-            max_steps=args.steps, heldout_fraction=0.15, checkpoint_every=10**9,
-            threads=args.threads, precision=precision,
-        )  # fmt: skip
+            data=ensure_distilled_shards(),
+            target=ensure_tiny_target(),
+            out_dir=Path(out),
+            draft_vocab_size=2048,
+            ttt_steps=7,
+            lr=3e-3,
+            batch_size=args.batch_size,
+            max_steps=args.steps,
+            heldout_fraction=0.15,
+            checkpoint_every=10**9,
+            threads=args.threads,
+            precision=precision,
+        )
         return measure(cfg, args.eval_prompts)
 
 
@@ -85,11 +99,17 @@ def main() -> None:
     if {"fp32", "bf16"} <= results.keys():
         fp32, bf16 = results["fp32"], results["bf16"]
         accept = bf16["real_acceptance_length"] / fp32["real_acceptance_length"] - 1
-        print(json.dumps({
-            "bf16_vs_fp32_tokens_per_s": round(bf16["train_tokens_per_s"] / fp32["train_tokens_per_s"], 2),
-            "bf16_vs_fp32_peak_rss": round(bf16["peak_rss_mib"] / fp32["peak_rss_mib"], 2),
-            "bf16_vs_fp32_real_acceptance_pct": round(100 * accept, 1),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bf16_vs_fp32_tokens_per_s": round(
+                        bf16["train_tokens_per_s"] / fp32["train_tokens_per_s"], 2
+                    ),
+                    "bf16_vs_fp32_peak_rss": round(bf16["peak_rss_mib"] / fp32["peak_rss_mib"], 2),
+                    "bf16_vs_fp32_real_acceptance_pct": round(100 * accept, 1),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

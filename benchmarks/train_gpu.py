@@ -54,10 +54,14 @@ def main() -> None:
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     target_config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=8192,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        max_position_embeddings=8192,
+    )
     target = LlamaForCausalLM(target_config).to(device, torch.bfloat16 if cuda else torch.float32).eval()
     layer_ids = default_layer_ids(target_config.num_hidden_layers)
     counts = torch.randint(0, 1000, (target_config.vocab_size,))

@@ -35,13 +35,25 @@ from pipeline.steps.train.features import TargetBatch
 from pipeline.steps.train.loop import DraftLoss
 from pipeline.steps.train.placement import draft_activations
 
-CPU_SHAPE = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 32, "draft_vocab": 1024,
-             "lengths": [512, 1024, 2048, 4096, 8192, 16384]}  # fmt: skip
+CPU_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "draft_vocab": 1024,
+    "lengths": [512, 1024, 2048, 4096, 8192, 16384],
+}
 # Kimi-K2.5's draft: its hidden size and MLP, 64 heads of 128 over 8 KV heads, 32,000 draft tokens.
-GPU_SHAPE = {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
-             "num_key_value_heads": 8, "head_dim": 128, "draft_vocab": 32000,
-             "lengths": [2048, 4096, 8192, 16384, 32768]}  # fmt: skip
+GPU_SHAPE = {
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "draft_vocab": 32000,
+    "lengths": [2048, 4096, 8192, 16384, 32768],
+}
 # The T x T attention kept 6 bytes a score (fp32 softmax, its copy): past this it needs > 10 GiB here.
 QUADRATIC_UP_TO = {"cpu": 4096, "cuda": 8192}
 VARIANTS = ("quadratic", "kept", "recomputed")
@@ -82,11 +94,14 @@ def quadratic_ttt_attention(q, keys, values):
 
 def build(shape: dict, device: str):
     target = LlamaConfig(
-        vocab_size=4 * shape["draft_vocab"], hidden_size=shape["hidden_size"],
-        intermediate_size=shape["intermediate_size"], num_hidden_layers=8,
-        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+        vocab_size=4 * shape["draft_vocab"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=8,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
         head_dim=shape["head_dim"],
-    )  # fmt: skip
+    )
     return Eagle3Draft(draft_config(target, shape["draft_vocab"], [1, 3, 4])).to(device)
 
 
@@ -131,8 +146,14 @@ def one(shape: dict, variant: str, length: int, steps: int, device: str, timed: 
     kept, transient = draft_activations(
         draft.config, length, length, steps, LOSS_CHUNK, recompute=variant == "recomputed"
     )
-    return {"variant": variant, "length": length, "peak": peak, "rss": rss, "tokens_per_s": length / seconds,
-            "planned": kept + transient + 12 * trained}  # fmt: skip
+    return {
+        "variant": variant,
+        "length": length,
+        "peak": peak,
+        "rss": rss,
+        "tokens_per_s": length / seconds,
+        "planned": kept + transient + 12 * trained,
+    }
 
 
 def _rss() -> int:
@@ -155,8 +176,10 @@ def main() -> None:
         timed = 1 if int(length) >= 8192 else 2
         print(json.dumps(one(shape, variant, int(length), args.steps, device, timed)))
         return
-    print(f"K={args.steps}, hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads over "
-          f"{shape['num_key_value_heads']} KV heads of {shape['head_dim']}, on {device}")  # fmt: skip
+    print(
+        f"K={args.steps}, hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads over "
+        f"{shape['num_key_value_heads']} KV heads of {shape['head_dim']}, on {device}"
+    )
     print("| T | variant | peak | planned | peak / planned | peak(T) / peak(T/2) | RSS added | tokens/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     last: dict[str, int] = {}
@@ -164,15 +187,24 @@ def main() -> None:
         for variant in VARIANTS:
             if variant == "quadratic" and length > QUADRATIC_UP_TO[device]:
                 continue
-            command = [sys.executable, "-m", "benchmarks.train_long", "--one", f"{variant},{length}",
-                       "--steps", str(args.steps)] + (["--gpu"] if args.gpu else [])  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.train_long",
+                "--one",
+                f"{variant},{length}",
+                "--steps",
+                str(args.steps),
+            ] + (["--gpu"] if args.gpu else [])
             row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
             growth = f"{row['peak'] / last[variant]:.2f}" if variant in last else ""
             last[variant] = row["peak"]
             ratio = row["peak"] / row["planned"]
-            print(f"| {length:,} | {variant} | {format_size(row['peak'])} | {format_size(row['planned'])} | "
-                  f"{ratio:.2f} | {growth} | {format_size(row['rss'])} | {row['tokens_per_s']:,.0f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {length:,} | {variant} | {format_size(row['peak'])} | {format_size(row['planned'])} | "
+                f"{ratio:.2f} | {growth} | {format_size(row['rss'])} | {row['tokens_per_s']:,.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

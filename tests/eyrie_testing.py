@@ -36,13 +36,19 @@ def playbook_roles() -> list[str]:
     return [entry["role"] if isinstance(entry, dict) else entry for entry in play["roles"]]
 
 
-def eyrie(*args: str, check: bool = False, timeout: float = 300,
-          settings: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def eyrie(
+    *args: str, check: bool = False, timeout: float = 300, settings: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the real `eyrie` command line in a subprocess (``settings``: on top of this environment)."""
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout,
-        cwd=REPO, check=False, env={**os.environ, **(settings or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+        env={**os.environ, **(settings or {})},
+    )
     if check and result.returncode != 0:
         raise AssertionError(
             f"eyrie {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
@@ -50,8 +56,9 @@ def eyrie(*args: str, check: bool = False, timeout: float = 300,
     return result
 
 
-def eyrie_in_small_cgroup(limit_bytes: int, *args: str, env: dict[str, str] | None = None,
-                          timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+def eyrie_in_small_cgroup(
+    limit_bytes: int, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """The real `eyrie ARGS…` started in a fresh memory cgroup limited to ``limit_bytes``, as a runner
     in a small container or scope on a roomy host is; the cgroup is removed once it ends."""
     from pipeline.memory import step_parent
@@ -61,10 +68,22 @@ def eyrie_in_small_cgroup(limit_bytes: int, *args: str, env: dict[str, str] | No
     try:
         cgroup.set_limit(limit_bytes)
         return subprocess.run(
-            ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup.path),
-             sys.executable, "-m", "pipeline.cli", *args],
-            capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or dict(os.environ),
-        )  # fmt: skip
+            [
+                "sh",
+                "-c",
+                'echo $$ > "$0/cgroup.procs" && exec "$@"',
+                str(cgroup.path),
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env=env or dict(os.environ),
+        )
     finally:
         for below, _, _ in os.walk(cgroup.path, topdown=False):
             os.rmdir(below)  # the runner's own step parent, then the cgroup: empty once it ended
@@ -132,8 +151,12 @@ def run_real_job(run_dir: Path, settings: dict[str, str], *args: str, timeout: f
     environment (and ``args``: an executor), asserted to succeed; its attempts."""
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(REAL_JOB), "--run-dir", str(run_dir), *args],
-        cwd=REPO, env={**os.environ, **settings}, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, **settings},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return attempts_json(run_dir)
 
@@ -148,8 +171,10 @@ def kill_target_mid_generate(
     succeeds, no row is lost or repeated, and the replica was recorded crashed, then started again.
     The run's output."""
     path = tmp_path / "prompts.jsonl"
-    asked = [{"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": f"q {i}"}]}
-             for i in range(prompts)]  # fmt: skip
+    asked = [
+        {"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": f"q {i}"}]}
+        for i in range(prompts)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in asked))
     spec = {
         "name": "target-service",
@@ -165,21 +190,37 @@ def kill_target_mid_generate(
         "steps": [
             {
                 "name": "generate",
-                "command": ["eyrie", "generate", str(path), "--max-tokens", "32", "--seed", "7",
-                            "--concurrency", "2", "--health-timeout", "5m", "--retry-base", "0.2"],
+                "command": [
+                    "eyrie",
+                    "generate",
+                    str(path),
+                    "--max-tokens",
+                    "32",
+                    "--seed",
+                    "7",
+                    "--concurrency",
+                    "2",
+                    "--health-timeout",
+                    "5m",
+                    "--retry-base",
+                    "0.2",
+                ],
                 "memory": "1GiB",
                 "uses": ["target"],
                 "outputs": ["conversations.jsonl", "errors.jsonl"],
             }
         ],
-    }  # fmt: skip
+    }
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir), *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     # generate appends rows to its partial file as they are answered: kill the server once a few
     # are in; the file is renamed conversations.jsonl when the step completes.
     partial = run_dir / "generate" / "conversations.partial.jsonl"
@@ -209,10 +250,18 @@ def kill_target_mid_generate(
 # -- the report, in a real browser --------------------------------------------------------------
 CHROMIUM = shutil.which("chromium")
 _HEADLESS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--force-device-scale-factor=1", "--force-color-profile=srgb", "--hide-scrollbars",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--force-device-scale-factor=1",
+    "--force-color-profile=srgb",
+    "--hide-scrollbars",
+]
 
 
 def screenshot(page: Path, png: Path, height: int = 1400) -> Path:
@@ -224,10 +273,18 @@ def screenshot(page: Path, png: Path, height: int = 1400) -> Path:
     profile = png.with_name(png.stem + "-profile")
     profile.mkdir()  # a new, empty profile for every run
     subprocess.run(
-        [CHROMIUM, *_HEADLESS, f"--user-data-dir={profile}", f"--window-size=1150,{height}",
-         f"--screenshot={png}", page.resolve().as_uri()],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
+        [
+            CHROMIUM,
+            *_HEADLESS,
+            f"--user-data-dir={profile}",
+            f"--window-size=1150,{height}",
+            f"--screenshot={png}",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     return png
 
 
@@ -255,10 +312,19 @@ def overflowing_text(page: Path) -> list[str]:
     profile = marked.with_name(marked.stem + "-profile")
     profile.mkdir()
     dom = subprocess.run(
-        [CHROMIUM, *_HEADLESS, f"--user-data-dir={profile}", "--window-size=1150,1400", "--dump-dom",
-         marked.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        [
+            CHROMIUM,
+            *_HEADLESS,
+            f"--user-data-dir={profile}",
+            "--window-size=1150,1400",
+            "--dump-dom",
+            marked.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert "run-chart" in dom, "the browser drew no run chart"
     return re.findall(r"<text [^>]*data-overflow[^>]*>([^<]*)</text>", dom)
 

@@ -184,9 +184,15 @@ def render(run: RunView) -> Group:
     )
     table = Table(show_edge=False, pad_edge=False)
     for column, justify in [
-        ("step", "left"), ("state", "left"), ("memory", "left"), ("in use / limit", "right"),
-        ("peak", "right"), ("records", "right"), ("elapsed", "right"), ("last line", "left"),
-    ]:  # fmt: skip
+        ("step", "left"),
+        ("state", "left"),
+        ("memory", "left"),
+        ("in use / limit", "right"),
+        ("peak", "right"),
+        ("records", "right"),
+        ("elapsed", "right"),
+        ("last line", "left"),
+    ]:
         table.add_column(
             column,
             justify=justify,

@@ -52,6 +52,21 @@ def not_run_steps(ledger: Ledger, run: dict) -> dict[str, dict]:
     }
 
 
+COLUMNS = [
+    ("step", "left"),
+    ("attempt", "right"),
+    ("verdict", "left"),
+    ("exit", "right"),
+    ("peak / limit", "right"),
+    ("OOM kills", "right"),
+    ("duration", "right"),
+    ("records", "right"),
+    ("started", "right"),
+    ("reason", "left"),
+]
+"""The status table's columns and how each is justified."""
+
+
 def _print_status(ledger: Ledger, console: Console, json_output: bool, history: bool) -> int:
     every = ledger.attempts()
     latest = ledger.latest_run()
@@ -76,11 +91,7 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
         _say_gone(console, gone)
         return 0
     table = Table(title=title, title_justify="left")
-    for column, justify in [
-        ("step", "left"), ("attempt", "right"), ("verdict", "left"), ("exit", "right"),
-        ("peak / limit", "right"), ("OOM kills", "right"), ("duration", "right"),
-        ("records", "right"), ("started", "right"), ("reason", "left"),
-    ]:  # fmt: skip
+    for column, justify in COLUMNS:
         table.add_column(column, justify=justify, no_wrap=column != "reason")
     shown: list[AttemptRow | dict] = list(attempts)
     if history:  # the history, then the latest run's steps that did not run
@@ -99,17 +110,9 @@ def _print_status(ledger: Ledger, console: Console, json_output: bool, history: 
         shown += [a for a in attempts if a.step not in steps]
     for item in shown:
         if isinstance(item, dict):
+            blank = [""] * (len(COLUMNS) - 4)  # a step that did not run: no exit, peak, duration
             table.add_row(
-                item["step"],
-                "-",
-                f"[dim]{item['state']}[/]",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                f"[dim]{escape(item['detail'])}[/]",
+                item["step"], "-", f"[dim]{item['state']}[/]", *blank, f"[dim]{escape(item['detail'])}[/]"
             )
             continue
         verdict = item.verdict or f"running ({f'pid {item.pid}' if item.pid else item.location})"
@@ -141,10 +144,16 @@ def _build_table(title: str, attempts: list[AttemptRow], reservations: dict[int,
     """Each compile job's predicted peak beside its measured one, and what it held of the budget."""
     table = Table(title=title, title_justify="left")
     for column, justify in [
-        ("job", "left"), ("attempt", "right"), ("verdict", "left"), ("predicted peak", "right"),
-        ("measured peak", "right"), ("measured / predicted", "right"), ("reserved", "right"),
-        ("duration", "right"), ("prediction", "left"),
-    ]:  # fmt: skip
+        ("job", "left"),
+        ("attempt", "right"),
+        ("verdict", "left"),
+        ("predicted peak", "right"),
+        ("measured peak", "right"),
+        ("measured / predicted", "right"),
+        ("reserved", "right"),
+        ("duration", "right"),
+        ("prediction", "left"),
+    ]:
         table.add_column(column, justify=justify, no_wrap=column != "prediction")
     for row in attempts:
         held = reservations.get(row.id, [])

@@ -135,9 +135,15 @@ class Outcome:
         or a scheduler's exit status, the runner's error), and past that no exit status, OOM kill
         or peak."""
         nothing = {
-            "exit_code": None, "signal": None, "oom_kills_before": 0, "oom_kills_after": 0,
-            "oom_at": None, "peak_bytes": None, "anon_peak_bytes": None, "ended_at": time.time(),
-        }  # fmt: skip
+            "exit_code": None,
+            "signal": None,
+            "oom_kills_before": 0,
+            "oom_kills_after": 0,
+            "oom_at": None,
+            "peak_bytes": None,
+            "anon_peak_bytes": None,
+            "ended_at": time.time(),
+        }
         return cls(started_at=started_at, **{**nothing, **known})
 
     @property

@@ -69,10 +69,26 @@ WRAPPER = [sys.executable, "-m", "pipeline.run.container_init"]
 and writes its report, because the engine removes that cgroup when the job ends."""
 
 # Filesystems that several hosts mount: a run directory on one of them can be shared with the nodes.
-SHARED_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
-    "panfs", "wekafs", "fuse.juicefs", "cifs", "smb3", "virtiofs", "9p",
-})  # fmt: skip
+SHARED_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "cephfs",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "panfs",
+        "wekafs",
+        "fuse.juicefs",
+        "cifs",
+        "smb3",
+        "virtiofs",
+        "9p",
+    }
+)
 
 
 def mount_of(path: Path) -> tuple[str, str, str]:

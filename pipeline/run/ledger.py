@@ -161,11 +161,33 @@ _ADDED_COLUMNS = {
 }
 
 ATTEMPT_JSON_FIELDS = (
-    "run_id", "step", "attempt", "state", "verdict", "reason", "executor", "pid", "location",
-    "limit_bytes", "limit_reason", "peak_bytes", "anon_peak_bytes", "oom_kills",
-    "oom_kills_before", "oom_kills_after", "oom_at", "exit_code", "signal", "started_at",
-    "ended_at", "host_mem_available", "host_mem_total", "image", "commit_id", "records",
-)  # fmt: skip
+    "run_id",
+    "step",
+    "attempt",
+    "state",
+    "verdict",
+    "reason",
+    "executor",
+    "pid",
+    "location",
+    "limit_bytes",
+    "limit_reason",
+    "peak_bytes",
+    "anon_peak_bytes",
+    "oom_kills",
+    "oom_kills_before",
+    "oom_kills_after",
+    "oom_at",
+    "exit_code",
+    "signal",
+    "started_at",
+    "ended_at",
+    "host_mem_available",
+    "host_mem_total",
+    "image",
+    "commit_id",
+    "records",
+)
 
 
 def _connect(target: str | Path, *, uri: bool = False) -> sqlite3.Connection:
@@ -529,9 +551,19 @@ class Ledger:
         timeline: list[tuple[float, int, int]],
     ) -> None:
         allowed = {
-            "peak_bytes", "anon_peak_bytes", "oom_kills", "oom_kills_before", "oom_kills_after",
-            "oom_at", "exit_code", "signal", "ended_at", "records", "stderr_tail", "started_at",
-        }  # fmt: skip
+            "peak_bytes",
+            "anon_peak_bytes",
+            "oom_kills",
+            "oom_kills_before",
+            "oom_kills_after",
+            "oom_at",
+            "exit_code",
+            "signal",
+            "ended_at",
+            "records",
+            "stderr_tail",
+            "started_at",
+        }
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"not attempt fields: {sorted(unknown)}")

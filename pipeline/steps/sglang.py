@@ -121,7 +121,7 @@ def server_argv(
             "--speculative-num-steps", str(speculation.num_steps),
             "--speculative-eagle-topk", str(speculation.topk),
             "--speculative-num-draft-tokens", str(speculation.num_draft_tokens),
-        ]  # fmt: skip
+        ]  # fmt: skip  # a table: each flag beside its value
     return argv
 
 

@@ -32,25 +32,47 @@ STEPS = ["prep", "generate", "tokenize", "train", "accept"]
 
 def _settings(target, url, cache, placement: str) -> dict[str, str]:
     return {
-        "EYRIE_TARGET_MODEL": str(target), "EYRIE_TRUST_REMOTE_CODE": "1", "EYRIE_TARGET_URL": url,
-        "EYRIE_RELEASE_TARGET": "no", "EYRIE_GPUS": "0", "EYRIE_TRAIN_PROCESSES": "1",
-        "EYRIE_ACCEPT_ENGINE": "chain", "EYRIE_PREP_DATA": "offline", "EYRIE_QUOTA": "6",
-        "EYRIE_MAX_TOKENS": "32", "EYRIE_CONCURRENCY": "8", "EYRIE_MAX_LENGTH": "512",
-        "EYRIE_MAX_STEPS": "2", "EYRIE_BATCH_SIZE": "2", "EYRIE_DRAFT_VOCAB": "256", "EYRIE_TTT_STEPS": "2",
-        "EYRIE_HELDOUT_FRACTION": "0.2", "EYRIE_ACCEPT_PROMPTS": "2", "EYRIE_ACCEPT_MAX_NEW_TOKENS": "6",
-        "EYRIE_TARGET_PLACEMENT": placement, "EYRIE_PREP_MEMORY": "1536MiB",
-        "EYRIE_GENERATE_MEMORY": "512MiB", "EYRIE_TOKENIZE_MEMORY": "1GiB", "EYRIE_TRAIN_MEMORY": "3GiB",
+        "EYRIE_TARGET_MODEL": str(target),
+        "EYRIE_TRUST_REMOTE_CODE": "1",
+        "EYRIE_TARGET_URL": url,
+        "EYRIE_RELEASE_TARGET": "no",
+        "EYRIE_GPUS": "0",
+        "EYRIE_TRAIN_PROCESSES": "1",
+        "EYRIE_ACCEPT_ENGINE": "chain",
+        "EYRIE_PREP_DATA": "offline",
+        "EYRIE_QUOTA": "6",
+        "EYRIE_MAX_TOKENS": "32",
+        "EYRIE_CONCURRENCY": "8",
+        "EYRIE_MAX_LENGTH": "512",
+        "EYRIE_MAX_STEPS": "2",
+        "EYRIE_BATCH_SIZE": "2",
+        "EYRIE_DRAFT_VOCAB": "256",
+        "EYRIE_TTT_STEPS": "2",
+        "EYRIE_HELDOUT_FRACTION": "0.2",
+        "EYRIE_ACCEPT_PROMPTS": "2",
+        "EYRIE_ACCEPT_MAX_NEW_TOKENS": "6",
+        "EYRIE_TARGET_PLACEMENT": placement,
+        "EYRIE_PREP_MEMORY": "1536MiB",
+        "EYRIE_GENERATE_MEMORY": "512MiB",
+        "EYRIE_TOKENIZE_MEMORY": "1GiB",
+        "EYRIE_TRAIN_MEMORY": "3GiB",
         "EYRIE_ACCEPT_MEMORY": "2GiB",
-        "EYRIE_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+        "EYRIE_CACHE_DIR": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _run(run_dir, settings) -> None:
     env = {**os.environ, **settings}
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(PIPELINE), "--run-dir", str(run_dir)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-marker", default="CALL-A-TOOL", help="answer with tool_calls when present")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--record", default=None, help="append every request body to this JSONL file")
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 def answer_for(messages: list[dict]) -> str:
@@ -135,11 +135,16 @@ def make_app(args: argparse.Namespace) -> web.Application:
             finish = "length"
         prompt_tokens = len(text.split())
         response = {
-            "id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model", MODEL),
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "model": body.get("model", MODEL),
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(content.split()),
-                      "total_tokens": prompt_tokens + len(content.split())},
-        }  # fmt: skip
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(content.split()),
+                "total_tokens": prompt_tokens + len(content.split()),
+            },
+        }
         state["answered"] += 1
         if args.die_after and state["answered"] > args.die_after:
             os._exit(17)  # sudden death: no answer, every connection reset

@@ -18,9 +18,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FakeSGLang:
     def __init__(
-        self, *, memory_saver: bool = True, weights_backup: bool = True, seed: int = 1234,
-        meta: dict | None = None, failures: dict[str, list[int]] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        memory_saver: bool = True,
+        weights_backup: bool = True,
+        seed: int = 1234,
+        meta: dict | None = None,
+        failures: dict[str, list[int]] | None = None,
+    ) -> None:
         self.calls: list[str] = []
         self.released = False
         self.died: str | None = None

@@ -29,10 +29,19 @@ class FakeSlurm:
         self.bin = root / "fake-slurm-bin"
         self.bin.mkdir(parents=True)
         self.state_path = root / "fake-slurm.json"
-        self.state_path.write_text(json.dumps({
-            "down": False, "sbatch": "ok", "scancel_ends_jobs": True, "next_id": 800, "jobs": {},
-            "calls": [], "partitions": {"debug": [["node1", os.uname().nodename, 8192]]},
-        }))  # fmt: skip
+        self.state_path.write_text(
+            json.dumps(
+                {
+                    "down": False,
+                    "sbatch": "ok",
+                    "scancel_ends_jobs": True,
+                    "next_id": 800,
+                    "jobs": {},
+                    "calls": [],
+                    "partitions": {"debug": [["node1", os.uname().nodename, 8192]]},
+                }
+            )
+        )
         for command in ("sbatch", "squeue", "scontrol", "sacct", "scancel", "sinfo"):
             wrapper = self.bin / command
             wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {__file__} {command} "$@"\n')

@@ -41,8 +41,16 @@ from pipeline.steps.eagle3.model import aux_layer_ids
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 IMAGE = "eyrie-pipeline:local"
 # The command for a CPU (docs/gpu-host.md): the override's settings are compose/cpu.env, the tests' own.
-COMPOSE = ["docker", "compose", "--env-file", "compose/cpu.env", "-f", "compose/compose.yaml", "-f",
-           "compose/compose.cpu.yaml"]  # fmt: skip
+COMPOSE = [
+    "docker",
+    "compose",
+    "--env-file",
+    "compose/cpu.env",
+    "-f",
+    "compose/compose.yaml",
+    "-f",
+    "compose/compose.cpu.yaml",
+]
 IMAGE_UID = 10001  # the pipeline image's user (images/pipeline/Dockerfile)
 
 
@@ -64,8 +72,9 @@ def images() -> str:
         if os.environ.get("EYRIE_REQUIRE_DOCKER") == "1":
             pytest.fail(f"EYRIE_REQUIRE_DOCKER=1 but {problem}")
         pytest.skip(problem)
-    build = subprocess.run(["make", "images", "base=local"], cwd=REPO, capture_output=True, text=True,
-                           timeout=1800)  # fmt: skip
+    build = subprocess.run(
+        ["make", "images", "base=local"], cwd=REPO, capture_output=True, text=True, timeout=1800
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     return IMAGE
 
@@ -77,8 +86,12 @@ def _docker_env(**extra: str) -> dict[str, str]:
 def _eyrie_docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_docker_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=_docker_env(),
+    )
 
 
 def _facts(run_dir: Path) -> dict[str, tuple]:
@@ -118,10 +131,19 @@ def _run_containers(run_id: str, settle_s: float = 10) -> list[str]:
     deadline = time.monotonic() + settle_s
     while True:
         listed = subprocess.run(
-            ["docker", "ps", "-a", "--filter", f"label=eyrie.run={run_id}",
-             "--format", "{{.Names}} {{.Status}}"],
-            capture_output=True, text=True, check=True,
-        ).stdout.splitlines()  # fmt: skip
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--filter",
+                f"label=eyrie.run={run_id}",
+                "--format",
+                "{{.Names}} {{.Status}}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
         if not listed or time.monotonic() > deadline:
             return listed
         time.sleep(0.5)
@@ -173,20 +195,34 @@ steps:
     token.write_text("hf_eyrie_test_token\n")
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir),
-         "--executor", "docker"],
-        cwd=REPO, env=_docker_env(HF_TOKEN_PATH=str(token)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            str(pipeline),
+            "--run-dir",
+            str(run_dir),
+            "--executor",
+            "docker",
+        ],
+        cwd=REPO,
+        env=_docker_env(HF_TOKEN_PATH=str(token)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 60
     found: list[str] = []
     while time.monotonic() < deadline and not found:
-        found = subprocess.run(["docker", "ps", "-q", "--filter", "label=eyrie.step=inspect"],
-                               capture_output=True, text=True).stdout.split()  # fmt: skip
+        found = subprocess.run(
+            ["docker", "ps", "-q", "--filter", "label=eyrie.step=inspect"], capture_output=True, text=True
+        ).stdout.split()
         time.sleep(0.2)
     assert found, "no running container labelled with the step"
-    inspect = json.loads(subprocess.run(["docker", "inspect", found[0]], capture_output=True, text=True,
-                                        check=True).stdout)[0]  # fmt: skip
+    inspect = json.loads(
+        subprocess.run(["docker", "inspect", found[0]], capture_output=True, text=True, check=True).stdout
+    )[0]
     output = runner.communicate(timeout=120)[0]
     assert runner.returncode == 0, output
     host = inspect["HostConfig"]
@@ -234,8 +270,16 @@ steps:
     outputs: [result.txt]
 """)
     run_dir = tmp_path / "run"
-    result = eyrie_in_small_cgroup(runner_limit, "run", str(pipeline), "--run-dir", str(run_dir),
-                                   "--executor", "docker", env=_docker_env())  # fmt: skip
+    result = eyrie_in_small_cgroup(
+        runner_limit,
+        "run",
+        str(pipeline),
+        "--run-dir",
+        str(run_dir),
+        "--executor",
+        "docker",
+        env=_docker_env(),
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     out = eyrie("explain", "prep", "--run-dir", str(run_dir), check=True).stdout
     assert "Crashed" in out and "SIGABRT" in out, out
@@ -258,10 +302,13 @@ def test_the_real_pipeline_file_serves_its_target_as_a_sibling_container(images,
     run_dir = tmp_path / "run"
     target = ensure_tiny_target(run_dir / ".cache" / "tiny-target")  # in the run dir: mounted
     settings = {
-        **REAL_JOB_CPU_SETTINGS, "EYRIE_TARGET_MODEL": str(target),
+        **REAL_JOB_CPU_SETTINGS,
+        "EYRIE_TARGET_MODEL": str(target),
         "EYRIE_CACHE_DIR": str(run_dir / ".cache"),
-        "EYRIE_IMAGE": IMAGE, "EYRIE_TARGET_IMAGE": IMAGE, "EYRIE_ACCEPT_IMAGE": IMAGE,
-    }  # fmt: skip
+        "EYRIE_IMAGE": IMAGE,
+        "EYRIE_TARGET_IMAGE": IMAGE,
+        "EYRIE_ACCEPT_IMAGE": IMAGE,
+    }
     rows = run_real_job(run_dir, settings, "--executor", "docker", timeout=1700)
     assert {(a["step"], a["replica"]): a["verdict"] for a in rows} == REAL_JOB_SUCCEEDED
     assert all(a["executor"] == "docker" for a in rows)
@@ -299,8 +346,14 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
     real = REPO / "pipeline" / "embedded" / "eagle3.yaml"  # what the pipeline service runs
     steps = [s["name"] for s in yaml.safe_load(real.read_text())["steps"]]
     try:
-        up = subprocess.run([*COMPOSE, "up", "pipeline", "--exit-code-from", "pipeline"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=2100)  # fmt: skip
+        up = subprocess.run(
+            [*COMPOSE, "up", "pipeline", "--exit-code-from", "pipeline"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=2100,
+        )
         assert up.returncode == 0, up.stdout[-6000:] + up.stderr[-3000:]
         run_dir = runs / "ci"
         attempts = attempts_json(run_dir)
@@ -323,17 +376,34 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
         assert "accept length" in page
         # The token is a file in the services, read by huggingface_hub, and in no `docker inspect`.
         served = subprocess.run(
-            [*COMPOSE, "run", "--rm", "--no-deps", "-T", "sglang",
-             "python3 -c 'import huggingface_hub; print(huggingface_hub.get_token())'"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                *COMPOSE,
+                "run",
+                "--rm",
+                "--no-deps",
+                "-T",
+                "sglang",
+                "python3 -c 'import huggingface_hub; print(huggingface_hub.get_token())'",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert served.stdout.strip() == "hf_eyrie_compose_token", served.stdout + served.stderr
-        containers = subprocess.run([*COMPOSE, "ps", "-aq"], cwd=REPO, env=env, capture_output=True,
-                                    text=True, check=True).stdout.split()  # fmt: skip
+        containers = subprocess.run(
+            [*COMPOSE, "ps", "-aq"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         inspected = subprocess.run(
             ["docker", "inspect", *containers], capture_output=True, text=True, check=True
         )
         assert len(containers) == 2 and "hf_eyrie_compose_token" not in inspected.stdout
     finally:
-        subprocess.run([*COMPOSE, "down", "--volumes", "--remove-orphans"], cwd=REPO, env=env,
-                       capture_output=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            [*COMPOSE, "down", "--volumes", "--remove-orphans"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )

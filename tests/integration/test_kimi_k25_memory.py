@@ -43,11 +43,35 @@ def inputs(tmp_path_factory):
 def _train(tmp_path, inputs, *extra: str) -> dict:
     target, shards = inputs
     argv = [
-        sys.executable, "-m", "pipeline.cli", "train", "--data", str(shards), "--target", str(target),
-        "--trust-remote-code", "--draft-vocab-size", "64", "--ttt-steps", "2", "--batch-size", "2",
-        "--max-steps", "2", "--eval-prompts", "0", "--threads", "1", "--heldout-fraction", "0",
-        "--release-target", "no", "--target-placement", "replicated", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "train",
+        "--data",
+        str(shards),
+        "--target",
+        str(target),
+        "--trust-remote-code",
+        "--draft-vocab-size",
+        "64",
+        "--ttt-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "2",
+        "--eval-prompts",
+        "0",
+        "--threads",
+        "1",
+        "--heldout-fraction",
+        "0",
+        "--release-target",
+        "no",
+        "--target-placement",
+        "replicated",
+        *extra,
+    ]
     command = ", ".join(f'"{a}"' for a in argv)
     tmp_path.mkdir()
     pipeline = tmp_path / "pipeline.yaml"

@@ -244,8 +244,10 @@ steps:
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (run_dir / "ledger.sqlite").exists():
@@ -291,8 +293,11 @@ steps:
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in runner.stdout:
         if "▶ attempt 1" in line:
             break
@@ -374,8 +379,10 @@ def _start_then_kill_the_runner(pipeline: Path, run_dir: Path) -> int:
     """`eyrie run` until its step runs, then SIGKILL to the runner alone; the step's pid."""
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (run_dir / "ledger.sqlite").exists() and (rows := attempts_json(run_dir)) and rows[0]["pid"]:
@@ -391,10 +398,21 @@ def _start_then_kill_the_runner(pipeline: Path, run_dir: Path) -> int:
 def _run_in(cgroup, *args: str) -> subprocess.CompletedProcess:
     """`eyrie ARGS…` started inside ``cgroup``."""
     return subprocess.run(
-        ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup.path),
-         sys.executable, "-m", "pipeline.cli", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "sh",
+            "-c",
+            'echo $$ > "$0/cgroup.procs" && exec "$@"',
+            str(cgroup.path),
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 SLOW_STEP = """
@@ -500,8 +518,11 @@ def _start_runner(
     """`eyrie run` (under ``wrapper``, e.g. nohup) until its step runs: the runner and the step's pid."""
     runner = subprocess.Popen(
         [*wrapper, sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (run_dir / "ledger.sqlite").exists() and (rows := attempts_json(run_dir)) and rows[0]["pid"]:
@@ -628,8 +649,12 @@ def small_disk(tmp_path):
     """A 2 MiB filesystem of its own (a tmpfs, as root here and in CI) for a run directory."""
     mount = tmp_path / "small"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                             capture_output=True, text=True, check=False)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield mount

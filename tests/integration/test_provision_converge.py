@@ -107,9 +107,13 @@ def _versions(test_host, *packages: str) -> dict[str, str]:
 def _make(*args: str, data_dir: Path) -> subprocess.CompletedProcess:
     """`make ARGS` in the checkout, its provisioning data in ``data_dir``, never the checkout's own."""
     return subprocess.run(
-        ["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+        ["make", "--no-print-directory", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "EYRIE_PROVISION_DIR": str(data_dir)},
-    )  # fmt: skip
+    )
 
 
 def _said(result: subprocess.CompletedProcess) -> str:
@@ -158,10 +162,12 @@ def test_docker_replaces_the_distributions_packages_and_admits_its_users(test_ho
     assert first_converge.succeeded, "first converge failed"
     # (the fixture installed them; removed, dpkg forgets packages without conffiles)
     states = _on_host(
-        test_host, "sh", "-c",
+        test_host,
+        "sh",
+        "-c",
         f"dpkg-query --showformat='${{Package}} ${{db:Status-Status}}\\n' --show "
         f"{' '.join(standin_repos.CONFLICTING)} 2>/dev/null || true",
-    )  # fmt: skip
+    )
     assert not any(line.endswith(" installed") for line in states.splitlines()), states
     assert "docker" in _on_host(test_host, "id", "-nG", OPERATOR).split()
     policy = _on_host(test_host, "apt-cache", "policy", "docker-ce")
@@ -213,8 +219,14 @@ def test_a_newer_driver_installed_by_hand_is_never_downgraded(test_host, second_
         assert "Inst nvidia" not in upgrade, upgrade
         assert f"Candidate: {newer}" in _on_host(test_host, "apt-cache", "policy", "nvidia-open")
     finally:
-        _on_host(test_host, "apt-get", "install", "-y", "--allow-downgrades",
-                 *(f"{p}={pinned}" for p in DRIVER_PACKAGES))  # fmt: skip
+        _on_host(
+            test_host,
+            "apt-get",
+            "install",
+            "-y",
+            "--allow-downgrades",
+            *(f"{p}={pinned}" for p in DRIVER_PACKAGES),
+        )
 
 
 def _bad_inventories(inventory: Path) -> dict[str, tuple[str, str]]:
@@ -250,8 +262,11 @@ def test_make_verify_passes_against_the_host(test_host, first_converge):
     assert first_converge.succeeded, "first converge failed"
     result = subprocess.run(
         ["make", "--no-print-directory", "verify", f"inventory={test_host.inventory}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     # Checks that need a loaded kernel module skip here, and cgroup v2 is not required
     # on this v1 machine; every other check ran and passed.
@@ -270,10 +285,22 @@ def test_verify_one_host_over_ssh(test_host, first_converge, tmp_path):
     # With --host the expectations are the site's (cgroup v2 required), which this
     # cgroup v1 machine cannot meet: that one check is left out here.
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "verify", "--host", address,
-         f"--ssh-config={ssh_config}", "-k", "not cgroup_v2"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "verify",
+            "--host",
+            address,
+            f"--ssh-config={ssh_config}",
+            "-k",
+            "not cgroup_v2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "10 passed, 3 skipped, 1 deselected" in result.stdout, result.stdout[-4000:]
 
@@ -281,9 +308,11 @@ def test_verify_one_host_over_ssh(test_host, first_converge, tmp_path):
 def test_a_failing_task_is_named_with_its_host(test_host, first_converge):
     assert first_converge.succeeded, "first converge failed"
     result = provision(
-        inventory=test_host.inventory, data_dir=test_host.data_dir,
-        tags=["cuda_toolkit"], extravars={"cuda_toolkit_version": "13.9"},
-    )  # fmt: skip
+        inventory=test_host.inventory,
+        data_dir=test_host.data_dir,
+        tags=["cuda_toolkit"],
+        extravars={"cuda_toolkit_version": "13.9"},
+    )
     assert not result.succeeded
     assert [(f.host, f.task) for f in result.failures] == [("gpu-ci", "Install cuda-toolkit-13-9")]
     assert "cuda-toolkit-13-9" in result.failures[0].message

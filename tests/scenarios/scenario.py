@@ -106,9 +106,21 @@ def memory_error() -> None:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (succeed, oom, child_oom, write_then_abort, segfault, exception, sleep,
-              killed_from_outside, memory_error, allocate, hold, thrash)
-}  # fmt: skip
+    for f in (
+        succeed,
+        oom,
+        child_oom,
+        write_then_abort,
+        segfault,
+        exception,
+        sleep,
+        killed_from_outside,
+        memory_error,
+        allocate,
+        hold,
+        thrash,
+    )
+}
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -19,8 +19,11 @@ def uncollected_test_files(root: Path) -> list[str]:
     """``test_*.py`` files under ``root/tests`` that ``pytest --collect-only`` does not collect."""
     collection = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider", "tests"],
-        capture_output=True, text=True, cwd=root, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
     collected = {line.split("::", 1)[0] for line in collection.stdout.splitlines() if "::" in line}
     on_disk = {str(path.relative_to(root)) for path in (root / "tests").rglob("test_*.py")}
     return sorted(on_disk - collected)

@@ -1,6 +1,6 @@
 """The code is as the linter and the formatter leave it: `ruff check` and `ruff format --check` run
-here, so a change that skips them fails the suite instead of drifting (a `# fmt: skip` keeps a
-hand-laid table where it reads better)."""
+here, so a change that skips them fails the suite instead of drifting (a `# fmt: skip  # why` keeps a
+hand-laid table where it reads better; the formatter honours it only with nothing but a comment after it)."""
 
 from __future__ import annotations
 

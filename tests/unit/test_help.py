@@ -36,8 +36,17 @@ COMMANDS = every_command()
 
 def test_every_command_is_found():
     names = {" ".join(words) for words, _ in COMMANDS}
-    assert {"", "run", "train", "generate", "prep", "tokenize", "accept", "build flash-attn",
-            "embedded target"} <= names  # fmt: skip
+    assert {
+        "",
+        "run",
+        "train",
+        "generate",
+        "prep",
+        "tokenize",
+        "accept",
+        "build flash-attn",
+        "embedded target",
+    } <= names
 
 
 @pytest.mark.parametrize("words", [w for w, _ in COMMANDS], ids=lambda w: " ".join(w) or "eyrie")
@@ -64,8 +73,11 @@ def test_a_flag_shows_no_value_and_a_range_is_in_words(monkeypatch):
         monkeypatch.setattr(cli, "rich_help", lambda panels=panels: panels)
         result = CliRunner().invoke(app, ["prep", "--help"], env={"COLUMNS": "200"})
         assert re.search(r"--quota\s+N\b", result.output) and "at least 0]" in result.output, result.output
-        check = next(line for line in CliRunner().invoke(app, ["run", "--help"]).output.splitlines()
-                     if "--check" in line)  # fmt: skip
+        check = next(
+            line
+            for line in CliRunner().invoke(app, ["run", "--help"]).output.splitlines()
+            if "--check" in line
+        )
         assert re.search(r"--check\s+Only", check), check
 
 
@@ -116,8 +128,13 @@ def test_help_piped_to_a_log_keeps_every_name_whole():
     """What a user gets from `eyrie train --help | less` (no COLUMNS: a pipe is 80 wide)."""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     for words in (["train"], ["serve"], ["generate"]):
-        shown = subprocess.run([sys.executable, "-m", "pipeline.cli", *words, "--help"], env=env,
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        shown = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", *words, "--help"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         command = dict((" ".join(w), c) for w, c in COMMANDS)[" ".join(words)]
         assert not cut_names(shown, command), shown
 

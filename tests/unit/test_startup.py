@@ -19,8 +19,12 @@ def imports(*args: str) -> dict[str, int]:
     """Every module ``eyrie ARGS`` imports, with its own import time in microseconds."""
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "pipeline.cli", *args],
-        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     found = {}
     for line in result.stderr.splitlines():

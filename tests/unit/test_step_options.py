@@ -155,8 +155,12 @@ FLAGS = {
 
 @pytest.mark.parametrize("step", list(FLAGS))
 def test_a_step_keeps_its_flags(step):
-    flags = [flag for p in command(step).params if p.param_type_name == "option" for flag in
-             (*p.opts, *p.secondary_opts)]  # fmt: skip
+    flags = [
+        flag
+        for p in command(step).params
+        if p.param_type_name == "option"
+        for flag in (*p.opts, *p.secondary_opts)
+    ]
     assert sorted(flags) == sorted(FLAGS[step].split())
 
 
@@ -206,9 +210,25 @@ def test_generate_with_no_options_runs_the_configs_defaults(monkeypatch, tmp_pat
 def test_generate_options_given_reach_the_config(monkeypatch, tmp_path):
     monkeypatch.delenv("EYRIE_GENERATE_RESTART", raising=False)
     _, calls = implementation(monkeypatch, "pipeline.steps.generate.driver", "generate")
-    invoke("generate", str(tmp_path / "p.jsonl"), "--url", "http://target:30000", "--out-dir", str(tmp_path),
-           "--temperature", "0", "--max-tokens", "64", "--retry-base", "2", "--health-timeout", "1h30m",
-           "--chat-template-kwargs", '{"enable_thinking": true}', "--drop-truncated")  # fmt: skip
+    invoke(
+        "generate",
+        str(tmp_path / "p.jsonl"),
+        "--url",
+        "http://target:30000",
+        "--out-dir",
+        str(tmp_path),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "64",
+        "--retry-base",
+        "2",
+        "--health-timeout",
+        "1h30m",
+        "--chat-template-kwargs",
+        '{"enable_thinking": true}',
+        "--drop-truncated",
+    )
     config = calls[0].arguments["config"]
     assert (config.sampling.temperature, config.sampling.max_tokens, config.sampling.top_p) == (0, 64, 1.0)
     assert (config.retry.base_s, config.retry.max_retries, config.health_timeout_s) == (2, 6, 5400)
@@ -242,8 +262,9 @@ def test_accept_with_no_options_runs_its_models_defaults(monkeypatch):
         ("tokenize", "pipeline.steps.tokenize.run", "run_tokenize", ["--tokenizer", "model"]),
     ],
 )
-def test_a_step_run_with_no_options_gets_its_functions_defaults(monkeypatch, step, module, function,
-                                                                required):  # fmt: skip
+def test_a_step_run_with_no_options_gets_its_functions_defaults(
+    monkeypatch, step, module, function, required
+):
     signature, calls = implementation(monkeypatch, module, function)
     invoke(step, *required)
     passed = calls[0].arguments
@@ -262,27 +283,45 @@ def test_accept_reads_the_rows_training_held_out_with_trainings_defaults():
     "args,line",
     [
         (("prep", "--quota", "-1"), "--quota: Input should be greater than or equal to 0, got -1"),
-        (("generate", "p.jsonl", "--url", "http://target:30000", "--max-error-rate", "1.5"),
-         "--max-error-rate: Input should be less than or equal to 1, got 1.5"),
-        (("generate", "p.jsonl", "--url", "http://target:30000", "--top-p", "0"),
-         "--top-p: Input should be greater than 0, got 0.0"),
-        (("tokenize", "--tokenizer", "model", "--workers", "0"),
-         "--workers: Input should be greater than or equal to 1, got 0"),
-        (("train", "--data", "shards", "--target", "model", "--batch-size", "0"),
-         "--batch-size: Input should be greater than or equal to 1, got 0"),
-        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--prompts", "0"),
-         "--prompts: Input should be greater than or equal to 1, got 0"),
-        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--num-steps", "x"),
-         "--num-steps: Input should be a valid integer, unable to parse string as an integer, got 'x'"),
-        (("accept", "--draft", "d", "--target", "t", "--data", "x", "--tp", "0"),
-         "--tp 0: SGLang spans at least one GPU"),
+        (
+            ("generate", "p.jsonl", "--url", "http://target:30000", "--max-error-rate", "1.5"),
+            "--max-error-rate: Input should be less than or equal to 1, got 1.5",
+        ),
+        (
+            ("generate", "p.jsonl", "--url", "http://target:30000", "--top-p", "0"),
+            "--top-p: Input should be greater than 0, got 0.0",
+        ),
+        (
+            ("tokenize", "--tokenizer", "model", "--workers", "0"),
+            "--workers: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            ("train", "--data", "shards", "--target", "model", "--batch-size", "0"),
+            "--batch-size: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            ("accept", "--draft", "d", "--target", "t", "--data", "x", "--prompts", "0"),
+            "--prompts: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            ("accept", "--draft", "d", "--target", "t", "--data", "x", "--num-steps", "x"),
+            "--num-steps: Input should be a valid integer, unable to parse string as an integer, got 'x'",
+        ),
+        (
+            ("accept", "--draft", "d", "--target", "t", "--data", "x", "--tp", "0"),
+            "--tp 0: SGLang spans at least one GPU",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_value_out_of_range_is_one_line_naming_its_option_and_exit_2(monkeypatch, tmp_path, args, line):
     monkeypatch.setenv("EYRIE_STEP_DIR", str(tmp_path))
-    steps = [("pipeline.steps.prep.run", "run_prep"), ("pipeline.steps.tokenize.run", "run_tokenize"),
-             ("pipeline.steps.generate.driver", "generate"), ("pipeline.steps.accept.measure", "run_accept"),
-             ("pipeline.steps.train.cli", "check_inputs")]  # fmt: skip
+    steps = [
+        ("pipeline.steps.prep.run", "run_prep"),
+        ("pipeline.steps.tokenize.run", "run_tokenize"),
+        ("pipeline.steps.generate.driver", "generate"),
+        ("pipeline.steps.accept.measure", "run_accept"),
+        ("pipeline.steps.train.cli", "check_inputs"),
+    ]
     calls = [implementation(monkeypatch, module, name)[1] for module, name in steps]
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 2, result.output

@@ -25,10 +25,21 @@ ANSWER_WAITS_S = (0, 1, 2, 4, 8, 15, 30)
 scontrol, scancel): about a minute; silence for longer is an ExecutorUnavailable, never an answer."""
 
 # Job states in which a job has ended (squeue --states=all shows them for MinJobAge seconds).
-ENDED_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
-})  # fmt: skip
+ENDED_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 
 
 def run_once(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

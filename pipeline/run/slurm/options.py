@@ -12,11 +12,32 @@ from pipeline.run.grid import REPORT_WAIT_S
 # abbreviated (sbatch takes any unambiguous prefix of a long option) or, short, with its value
 # attached (-N2).
 MANAGED_SBATCH_OPTIONS = (
-    "--mem", "--mem-per-cpu", "--mem-per-gpu", "--output", "--error", "--chdir", "--job-name",
-    "--parsable", "--wrap", "--array", "--export", "--export-file", "--requeue", "--no-requeue",
-    "--open-mode", "--time", "--nodes", "--partition", "--account", "--cpus-per-task", "--gres",
-    "--gpus", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket",
-)  # fmt: skip
+    "--mem",
+    "--mem-per-cpu",
+    "--mem-per-gpu",
+    "--output",
+    "--error",
+    "--chdir",
+    "--job-name",
+    "--parsable",
+    "--wrap",
+    "--array",
+    "--export",
+    "--export-file",
+    "--requeue",
+    "--no-requeue",
+    "--open-mode",
+    "--time",
+    "--nodes",
+    "--partition",
+    "--account",
+    "--cpus-per-task",
+    "--gres",
+    "--gpus",
+    "--gpus-per-node",
+    "--gpus-per-task",
+    "--gpus-per-socket",
+)
 MANAGED_SHORT_SBATCH_OPTIONS = ("-o", "-e", "-D", "-J", "-a", "-t", "-N", "-p", "-A", "-c", "-G")
 
 

@@ -25,12 +25,39 @@ SBATCH = ("sbatch", "--parsable")
 # them; sbatch would otherwise send the whole environment, API keys and tokens included, into the
 # job's record on the controller). A pipeline adds names or patterns with `slurm: {export: […]}`.
 EXPORTED_ENV = (
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR", "TERM",
-    "PYTHON*", "VIRTUAL_ENV", "CONDA_*", "LD_LIBRARY_PATH", "CUDA_*", "NCCL_*", "NVIDIA_*", "OMP_*",
-    "MKL_*", "TORCH_*", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE",
-    "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN_PATH", "SSL_CERT_FILE",
-    "REQUESTS_CA_BUNDLE", "EYRIE_*",
-)  # fmt: skip
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "TZ",
+    "TMPDIR",
+    "TERM",
+    "PYTHON*",
+    "VIRTUAL_ENV",
+    "CONDA_*",
+    "LD_LIBRARY_PATH",
+    "CUDA_*",
+    "NCCL_*",
+    "NVIDIA_*",
+    "OMP_*",
+    "MKL_*",
+    "TORCH_*",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_TOKEN_PATH",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "EYRIE_*",
+)
 
 
 def report_path(launch: Launch) -> Path:

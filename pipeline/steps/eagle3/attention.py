@@ -66,9 +66,25 @@ def _flash_backward(dout, q, k, v, out, lse, scale):
     q, k, v = (_seq_major(x).contiguous() for x in (q, k, v))
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     torch.ops.flash_attn._flash_attn_backward(
-        _seq_major(dout), q, k, v, _seq_major(out), lse, dq, dk, dv,
-        0.0, scale, True, -1, -1, 0.0, None, False, None,
-    )  # fmt: skip
+        _seq_major(dout),
+        q,
+        k,
+        v,
+        _seq_major(out),
+        lse,
+        dq,
+        dk,
+        dv,
+        0.0,
+        scale,
+        True,
+        -1,
+        -1,
+        0.0,
+        None,
+        False,
+        None,
+    )
     return _seq_major(dq), _seq_major(dk), _seq_major(dv)
 
 

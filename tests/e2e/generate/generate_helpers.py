@@ -19,8 +19,10 @@ class FakeServer:
     def __init__(self, *args: str, port: int = 0) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(FAKE_SERVER), "--port", str(port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.process.stdout.readline()
         if not line.startswith("PORT "):
             self.process.kill()
@@ -73,13 +75,21 @@ def generate_argv(prompts: Path, out_dir: Path, *urls: str, extra: tuple[str, ..
 
 
 def run_generate(
-    prompts: Path, out_dir: Path, *urls: str, extra: tuple[str, ...] = (),
-    env: dict[str, str] | None = None, timeout: float = 120,
-) -> subprocess.CompletedProcess:  # fmt: skip
+    prompts: Path,
+    out_dir: Path,
+    *urls: str,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        generate_argv(prompts, out_dir, *urls, extra=extra), capture_output=True, text=True,
-        timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        generate_argv(prompts, out_dir, *urls, extra=extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -31,9 +31,19 @@ def ids_of(path):
 
 def test_transient_faults_are_retried_and_every_row_lands_once(tmp_path, fake_server):
     server = fake_server(
-        "--error-rate", "500:0.1", "--error-rate", "503:0.05", "--error-rate", "429:0.05",
-        "--drop-rate", "0.05", "--slow-rate", "0.02", "--slow-s", "2",
-    )  # fmt: skip
+        "--error-rate",
+        "500:0.1",
+        "--error-rate",
+        "503:0.05",
+        "--error-rate",
+        "429:0.05",
+        "--drop-rate",
+        "0.05",
+        "--slow-rate",
+        "0.02",
+        "--slow-s",
+        "2",
+    )
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 600)
     out = tmp_path / "out"
     # About 27% of requests fail: with the default 6 retries one of 600 rows runs out of them in
@@ -94,19 +104,43 @@ def test_request_carries_sampling_template_kwargs_tools_and_per_row_seed(tmp_pat
     server = fake_server("--record", str(record))
     tool_call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
     rows = [
-        {"id": "agent", "source": "t", "tools": [{"type": "function", "function": {"name": "lookup"}}],
-         "messages": [{"role": "user", "content": "look it up"},
-                      {"role": "assistant", "content": None, "tool_calls": [tool_call]},
-                      {"role": "tool", "tool_call_id": "c1", "content": "found"},
-                      {"role": "assistant", "content": "old answer"}]},
-        {"id": "chat", "source": "t", "messages": [{"role": "user", "content": "q1"},
-                                                   {"role": "assistant", "content": "a1"},
-                                                   {"role": "user", "content": "q2"}]},
-    ]  # fmt: skip
+        {
+            "id": "agent",
+            "source": "t",
+            "tools": [{"type": "function", "function": {"name": "lookup"}}],
+            "messages": [
+                {"role": "user", "content": "look it up"},
+                {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "found"},
+                {"role": "assistant", "content": "old answer"},
+            ],
+        },
+        {
+            "id": "chat",
+            "source": "t",
+            "messages": [
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"},
+            ],
+        },
+    ]
     prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
     out = tmp_path / "out"
-    extra = ("--mode", "all_turns", "--temperature", "0.3", "--top-p", "0.9", "--max-tokens", "77",
-             "--seed", "5", "--chat-template-kwargs", '{"enable_thinking": true}')  # fmt: skip
+    extra = (
+        "--mode",
+        "all_turns",
+        "--temperature",
+        "0.3",
+        "--top-p",
+        "0.9",
+        "--max-tokens",
+        "77",
+        "--seed",
+        "5",
+        "--chat-template-kwargs",
+        '{"enable_thinking": true}',
+    )
     result = run_generate(prompts, out, server.url, extra=extra)
     assert result.returncode == 0, result.stderr
     sent = read_jsonl(record)
@@ -196,16 +230,22 @@ def test_api_key_from_env_or_file_is_sent_and_never_written(tmp_path, fake_serve
     secret = "sk-test-0123456789abcdef"
     server = fake_server("--api-key", secret)
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 20)
-    denied = run_generate(prompts, tmp_path / "denied", server.url, extra=("--health-timeout", "5s"),
-                          env={"OPENAI_API_KEY": ""})  # fmt: skip
+    denied = run_generate(
+        prompts, tmp_path / "denied", server.url, extra=("--health-timeout", "5s"), env={"OPENAI_API_KEY": ""}
+    )
     assert denied.returncode != 0 and "API key" in denied.stderr
 
     by_env = run_generate(prompts, tmp_path / "env", server.url, env={"OPENAI_API_KEY": secret})
     assert by_env.returncode == 0, by_env.stderr
     key_file = tmp_path / "key"
     key_file.write_text(secret + "\n")
-    by_file = run_generate(prompts, tmp_path / "file", server.url, extra=("--api-key-file", str(key_file)),
-                           env={"OPENAI_API_KEY": ""})  # fmt: skip
+    by_file = run_generate(
+        prompts,
+        tmp_path / "file",
+        server.url,
+        extra=("--api-key-file", str(key_file)),
+        env={"OPENAI_API_KEY": ""},
+    )
     assert by_file.returncode == 0, by_file.stderr
     for result in (denied, by_env, by_file):
         assert secret not in result.stdout + result.stderr
@@ -315,8 +355,9 @@ def test_a_rerun_with_other_settings_refuses_and_restart_moves_the_old_rows_asid
 def test_a_200_without_a_completion_is_retried_and_never_a_final_answer(tmp_path, fake_server):
     record = tmp_path / "requests.jsonl"
     server = fake_server("--hollow-rate", "0.2", "--record", str(record))
-    rows = [{"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": "q"}]}
-            for i in range(60)]  # fmt: skip
+    rows = [
+        {"id": f"p{i:03d}", "source": "t", "messages": [{"role": "user", "content": "q"}]} for i in range(60)
+    ]
     rows.append({"id": "hollow", "source": "t", "messages": [{"role": "user", "content": "HOLLOW"}]})
     prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
     out = tmp_path / "out"
@@ -401,8 +442,14 @@ def test_a_parsed_answer_keeps_its_reasoning_and_tool_calls(tmp_path, fake_serve
     record = tmp_path / "requests.jsonl"
     server = fake_server("--reasoning", "--record", str(record))
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
-    rows = [{"id": "agent", "source": "t", "tools": tools,
-             "messages": [{"role": "user", "content": "find x CALL-A-TOOL"}]}]  # fmt: skip
+    rows = [
+        {
+            "id": "agent",
+            "source": "t",
+            "tools": tools,
+            "messages": [{"role": "user", "content": "find x CALL-A-TOOL"}],
+        }
+    ]
     out = tmp_path / "out"
     result = run_generate(write_prompts(tmp_path / "prompts.jsonl", rows), out, server.url)
     assert result.returncode == 0, result.stderr

@@ -50,8 +50,9 @@ def wait_for_rows(path, rows: int, process: subprocess.Popen, timeout_s: float =
 def test_kill_9_at_random_points_then_rerun_yields_each_id_exactly_once(tmp_path, fake_server):
     # At most ~160 rows/s (8 in flight, 50 ms each), so no trial can finish before its kill;
     # faults so that kills also land mid-retry.
-    server = fake_server("--slow-rate", "1", "--slow-s", "0.05", "--error-rate", "500:0.05",
-                         "--drop-rate", "0.02")  # fmt: skip
+    server = fake_server(
+        "--slow-rate", "1", "--slow-s", "0.05", "--error-rate", "500:0.05", "--drop-rate", "0.02"
+    )
     prompts = simple_prompts(tmp_path / "prompts.jsonl", ROWS)
     out = tmp_path / "out"
     partial = out / "conversations.partial.jsonl"
@@ -60,9 +61,11 @@ def test_kill_9_at_random_points_then_rerun_yields_each_id_exactly_once(tmp_path
     for trial in range(TRIALS):
         before = len(complete_ids(partial))
         process = subprocess.Popen(
-            generate_argv(prompts, out, server.url, extra=("--concurrency", "8")), cwd=REPO,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            generate_argv(prompts, out, server.url, extra=("--concurrency", "8")),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         if trial == 0:
             time.sleep(rng.uniform(0.1, 1.0))  # during startup or the health wait
         else:
@@ -97,9 +100,12 @@ def test_sigterm_stops_cleanly_keeps_rows_and_a_rerun_finishes(tmp_path, fake_se
     out = tmp_path / "out"
     partial = out / "conversations.partial.jsonl"
     process = subprocess.Popen(
-        generate_argv(prompts, out, server.url, extra=("--concurrency", "8")), cwd=REPO,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        generate_argv(prompts, out, server.url, extra=("--concurrency", "8")),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_rows(partial, 100, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)

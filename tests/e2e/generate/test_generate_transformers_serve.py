@@ -17,15 +17,27 @@ TOOL_CALL = {
 }
 ROWS = [
     {"id": "plain", "source": "t", "messages": [{"role": "user", "content": "Capital of France?"}]},
-    {"id": "multi", "source": "t", "messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you?"},
-        {"role": "assistant", "content": "fine"}]},
-    {"id": "agent", "source": "t", "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"}]},
-]  # fmt: skip
+    {
+        "id": "multi",
+        "source": "t",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "how are you?"},
+            {"role": "assistant", "content": "fine"},
+        ],
+    },
+    {
+        "id": "agent",
+        "source": "t",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"},
+        ],
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +52,25 @@ def test_generate_serves_the_tiny_target_and_stops_the_server(tmp_path, tiny_tar
     prompts = write_prompts(tmp_path / "prompts.jsonl", ROWS)
     out = tmp_path / "out"
     result = run_generate(
-        prompts, out, extra=("--serve", str(tiny_target), batching, "--mode", "all_turns", "--max-tokens",
-                             "16", "--seed", "7", "--concurrency", "2", "--health-timeout", "5m"),
+        prompts,
+        out,
+        extra=(
+            "--serve",
+            str(tiny_target),
+            batching,
+            "--mode",
+            "all_turns",
+            "--max-tokens",
+            "16",
+            "--seed",
+            "7",
+            "--concurrency",
+            "2",
+            "--health-timeout",
+            "5m",
+        ),
         timeout=400,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     rows = {r["id"]: r for r in read_jsonl(out / "conversations.jsonl")}
     assert set(rows) == {"plain", "multi", "agent"}

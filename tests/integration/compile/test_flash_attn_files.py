@@ -47,12 +47,30 @@ def test_two_flash_attn_files_compile_side_by_side_within_the_budget(tmp_path: P
     variables = with_torch_headers_of(variables, TORCH_CUDA_PYTHON, sys.executable)
     profile = Profile.load([SHIPPED_PROFILES], default_peak=DEFAULT_JOB_PEAK_PER_ARCH)
     budget = 10 * GiB  # both measured forward files (~4.1 GiB each, +15%) fit side by side
-    with BuildBroker(nvcc=str(CUDA_HOME / "bin/nvcc"), nvcc_version="13.0", package=PKG, profile=profile,
-                     budget=budget, cpu_slots=2, run_dir=tmp_path / "run") as broker:  # fmt: skip
-        write_subset_ninja(tmp_path / "build", broker.env()["PYTORCH_NVCC"], variables, source, FILES,
-                           torch_header_shim(sys.executable, tmp_path))  # fmt: skip
-        done = subprocess.run(["ninja", "-j", "2"], cwd=tmp_path / "build",
-                              env={**os.environ, **broker.env()}, capture_output=True, text=True)  # fmt: skip
+    with BuildBroker(
+        nvcc=str(CUDA_HOME / "bin/nvcc"),
+        nvcc_version="13.0",
+        package=PKG,
+        profile=profile,
+        budget=budget,
+        cpu_slots=2,
+        run_dir=tmp_path / "run",
+    ) as broker:
+        write_subset_ninja(
+            tmp_path / "build",
+            broker.env()["PYTORCH_NVCC"],
+            variables,
+            source,
+            FILES,
+            torch_header_shim(sys.executable, tmp_path),
+        )
+        done = subprocess.run(
+            ["ninja", "-j", "2"],
+            cwd=tmp_path / "build",
+            env={**os.environ, **broker.env()},
+            capture_output=True,
+            text=True,
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert broker.report().oom_kills == 0
     rows = Ledger(tmp_path / "run", create=False).attempts()

@@ -54,15 +54,28 @@ def write_ninja(build_dir: Path, nvcc_command: str, sources: list[str]) -> None:
 
 
 def broker_for(tmp_path: Path, profile: Profile, budget: int = LIMIT) -> BuildBroker:
-    return BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", package=PKG, profile=profile, budget=budget,
-                       cpu_slots=4, run_dir=tmp_path / "run")  # fmt: skip
+    return BuildBroker(
+        nvcc=str(NVCC),
+        nvcc_version="13.0",
+        package=PKG,
+        profile=profile,
+        budget=budget,
+        cpu_slots=4,
+        run_dir=tmp_path / "run",
+    )
 
 
 def ninja(build_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run(["ninja", "-j", "4"], cwd=build_dir, env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=800)  # fmt: skip
+    return subprocess.run(
+        ["ninja", "-j", "4"],
+        cwd=build_dir,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
 
 
 def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path: Path) -> None:
@@ -80,7 +93,7 @@ def test_plain_parallel_compile_is_oom_killed_but_the_scheduler_is_not(tmp_path:
             limit_bytes=LIMIT,
             stdout_path=tmp_path / "plain.out",
             stderr_path=tmp_path / "plain.err",
-        )  # fmt: skip
+        )
     )
     outcome = attempt.wait()
     # Killed by the kernel, or by the runner once the compiles thrash at the limit (run/monitor.py).
@@ -111,8 +124,15 @@ def scheduled_build(run_dir: Path, profile: Profile) -> list:
     """The four big fixtures through the broker under LIMIT: all compiled, no OOM kill, every attempt."""
     build = run_dir / "build"
     build.mkdir(parents=True)
-    with BuildBroker(nvcc=str(NVCC), nvcc_version="13.0", package=PKG, profile=profile, budget=LIMIT,
-                     cpu_slots=4, run_dir=run_dir) as broker:  # fmt: skip
+    with BuildBroker(
+        nvcc=str(NVCC),
+        nvcc_version="13.0",
+        package=PKG,
+        profile=profile,
+        budget=LIMIT,
+        cpu_slots=4,
+        run_dir=run_dir,
+    ) as broker:
         write_ninja(build, broker.env()["PYTORCH_NVCC"], BIG)
         done = ninja(build, broker.env())
     report = broker.report()
@@ -130,8 +150,9 @@ def test_a_job_predicted_too_low_is_oom_killed_once_and_rerun(tmp_path: Path) ->
     build = tmp_path / "build"
     build.mkdir()
     # A stale measurement: big_a.cu "needed" 0.55 GiB. Its limit (0.55 × 1.15) is too low.
-    stale = ProfileEntry("big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5,
-                         package=PKG)  # fmt: skip
+    stale = ProfileEntry(
+        "big_a.cu", ["120"], 1, "13.0", anon_peak_bytes=int(0.55 * GiB), wall_s=5, package=PKG
+    )
     profile = Profile([stale], default_peak=LIMIT)
     with broker_for(tmp_path, profile) as broker:
         write_ninja(build, broker.env()["PYTORCH_NVCC"], ["big_a.cu", "small_a.cu"])

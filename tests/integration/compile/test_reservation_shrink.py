@@ -65,14 +65,27 @@ def build(tmp_path: Path, sources: dict[str, str], budget: int) -> tuple[list, d
         (src / name).write_text(plan)
     measured = [ProfileEntry(name, ["120"], 1, "13.0", 600 * MiB, 12.0, PKG, shape=SHAPE) for name in sources]
     profile = Profile(measured, default_peak=budget)
-    with BuildBroker(nvcc=str(compiler), nvcc_version="13.0", package=PKG, profile=profile, budget=budget,
-                     cpu_slots=2, run_dir=tmp_path / "run") as broker:  # fmt: skip
+    with BuildBroker(
+        nvcc=str(compiler),
+        nvcc_version="13.0",
+        package=PKG,
+        profile=profile,
+        budget=budget,
+        cpu_slots=2,
+        run_dir=tmp_path / "run",
+    ) as broker:
         lines = ["rule cc", f"  command = {broker.env()['PYTORCH_NVCC']} -c $in -o $out {FLAGS}"]
         lines += [f"build {tmp_path / name}.o: cc {src / name}" for name in sources]
         (tmp_path / "build.ninja").write_text("\n".join(lines) + "\n")
         env = {**os.environ, **broker.env()}
-        done = subprocess.run(["ninja", "-j", str(len(sources))], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)  # fmt: skip
+        done = subprocess.run(
+            ["ninja", "-j", str(len(sources))],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     report = broker.report()
     assert report.oom_kills == 0

@@ -41,9 +41,16 @@ def run_inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("accept")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     target = LlamaForCausalLM(config)
     target.save_pretrained(root / "target")
     generator = torch.Generator().manual_seed(1)
@@ -64,11 +71,33 @@ def run_inputs(tmp_path_factory) -> dict[str, Path]:
 
 def _accept_argv(inputs: dict[str, Path], *extra: str) -> list[str]:
     return [
-        "accept", "--engine", "chain", "--draft", str(inputs["draft"]), "--target", str(inputs["target"]),
-        "--data", str(inputs["data"]), "--heldout-fraction", "0.3", "--max-length", "64",
-        "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4", "--prompts", "3",
-        "--max-new-tokens", "8", "--tp", "0", *extra,
-    ]  # fmt: skip
+        "accept",
+        "--engine",
+        "chain",
+        "--draft",
+        str(inputs["draft"]),
+        "--target",
+        str(inputs["target"]),
+        "--data",
+        str(inputs["data"]),
+        "--heldout-fraction",
+        "0.3",
+        "--max-length",
+        "64",
+        "--num-steps",
+        "3",
+        "--topk",
+        "1",
+        "--num-draft-tokens",
+        "4",
+        "--prompts",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--tp",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.mark.usefixtures("real_cgroups")
@@ -97,8 +126,13 @@ def test_chain_acceptance_as_a_pipeline_step_lands_in_the_manifest_and_the_repor
 
 def test_chain_needs_one_chain_of_num_steps_plus_one(run_inputs, tmp_path):
     env = {**os.environ, "EYRIE_STEP_DIR": str(tmp_path)}
-    result = subprocess.run([*EYRIE, *_accept_argv(run_inputs, "--topk", "4")], capture_output=True,
-                            text=True, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [*EYRIE, *_accept_argv(run_inputs, "--topk", "4")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--topk 1 and --num-draft-tokens 4" in lines[0], lines
@@ -107,11 +141,23 @@ def test_chain_needs_one_chain_of_num_steps_plus_one(run_inputs, tmp_path):
 
 def _sglang_settings(inputs: dict[str, Path], **changes) -> Settings:
     settings = Settings(
-        draft=inputs["draft"], target=str(inputs["target"]), data=inputs["data"], engine="sglang",
-        speculation=Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.3, max_length=64, prompts=3,
-        max_new_tokens=30, concurrency=2, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=10, request_timeout_s=10, retry=Retry(base_s=0.0, cap_s=0.0),
-    )  # fmt: skip
+        draft=inputs["draft"],
+        target=str(inputs["target"]),
+        data=inputs["data"],
+        engine="sglang",
+        speculation=Speculation(inputs["draft"], 3, 1, 4),
+        heldout_fraction=0.3,
+        max_length=64,
+        prompts=3,
+        max_new_tokens=30,
+        concurrency=2,
+        tp=1,
+        trust_remote_code=False,
+        release_target=None,
+        startup_timeout_s=10,
+        request_timeout_s=10,
+        retry=Retry(base_s=0.0, cap_s=0.0),
+    )
     return dataclasses.replace(settings, **changes)
 
 

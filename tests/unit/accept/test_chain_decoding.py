@@ -20,9 +20,16 @@ from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 def _target(vocab: int, seed: int):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 

@@ -79,8 +79,11 @@ KIMI_K25_PARSERS = Parsers(reasoning="kimi_k2", tool_call="kimi_k2")
 
 
 def test_kimi_k25_is_served_with_its_parsers():
-    args = parse(server_argv("moonshotai/Kimi-K2.5", port=30003, tp=8, trust_remote_code=True,
-                             parsers=KIMI_K25_PARSERS))  # fmt: skip
+    args = parse(
+        server_argv(
+            "moonshotai/Kimi-K2.5", port=30003, tp=8, trust_remote_code=True, parsers=KIMI_K25_PARSERS
+        )
+    )
     assert (args.reasoning_parser, args.tool_call_parser) == ("kimi_k2", "kimi_k2")
     assert args.trust_remote_code is True
 
@@ -104,8 +107,13 @@ def _compose_service(name: str, environ: dict[str, str] | None = None) -> dict:
     if shutil.which("docker") is None:
         pytest.skip("the docker command line is not installed")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **(environ or {})}
-    result = subprocess.run(["docker", "compose", "-f", "compose/compose.yaml", "config", "--format", "json"],
-                            capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
+    result = subprocess.run(
+        ["docker", "compose", "-f", "compose/compose.yaml", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     if "is not a docker command" in result.stderr:
         pytest.skip("the Compose v2 plugin is not installed")
     assert result.returncode == 0, result.stderr
@@ -147,8 +155,11 @@ def test_the_compose_servers_flags(tmp_path):
 
 def _docs_kimi_k25_settings() -> dict[str, str]:
     """The settings of the block that runs the real job on Kimi-K2.5 (docs/gpu-host.md)."""
-    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
-                if "export EYRIE_TARGET_MODEL=moonshotai/Kimi-K2.5" in b]  # fmt: skip
+    (block,) = [
+        b
+        for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
+        if "export EYRIE_TARGET_MODEL=moonshotai/Kimi-K2.5" in b
+    ]
     return dict(re.findall(r"^export (EYRIE_\w+)=(\S+)", block, re.M))
 
 
@@ -156,8 +167,9 @@ def test_the_compose_server_serves_kimi_k25(tmp_path):
     """The documented settings for Kimi-K2.5: every flag they give SGLang is one the release has."""
     shell = _docs_kimi_k25_settings()
     assert (shell["EYRIE_REASONING_PARSER"], shell["EYRIE_TOOL_CALL_PARSER"]) == (
-        KIMI_K25_PARSERS.reasoning, KIMI_K25_PARSERS.tool_call
-    )  # fmt: skip
+        KIMI_K25_PARSERS.reasoning,
+        KIMI_K25_PARSERS.tool_call,
+    )
     args = parse(_served_argv(_compose_service("sglang", shell), tmp_path))
     assert args.model_path == "moonshotai/Kimi-K2.5" and args.trust_remote_code is True
     assert (args.reasoning_parser, args.tool_call_parser) == ("kimi_k2", "kimi_k2")

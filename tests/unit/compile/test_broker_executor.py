@@ -25,9 +25,16 @@ class RecordingExecutor(LocalExecutor):
 
 
 def broker(tmp_path, executor: str) -> BuildBroker:
-    return BuildBroker(nvcc="nvcc", nvcc_version="13.0", package="flash-attn 2.8.3", budget=GiB,
-                       cpu_slots=1, profile=Profile([], default_peak=GiB), run_dir=tmp_path,
-                       executor=executor)  # fmt: skip
+    return BuildBroker(
+        nvcc="nvcc",
+        nvcc_version="13.0",
+        package="flash-attn 2.8.3",
+        budget=GiB,
+        cpu_slots=1,
+        profile=Profile([], default_peak=GiB),
+        run_dir=tmp_path,
+        executor=executor,
+    )
 
 
 def test_an_unknown_executor_is_refused_naming_the_known_ones(tmp_path) -> None:

@@ -22,8 +22,15 @@ def predict(tmp_path: Path):
 
     def run(name: str, budget: int) -> Job:
         measured = ProfileEntry("a.cu", ["120"], 1, "13.0", 6 * GiB, 100.0, PKG, shape=[0.5, 1.0, 0.2])
-        broker = BuildBroker(nvcc="nvcc", nvcc_version="13.0", package=PKG, budget=budget, cpu_slots=2,
-                             profile=Profile([measured], default_peak=8 * GiB), run_dir=tmp_path)  # fmt: skip
+        broker = BuildBroker(
+            nvcc="nvcc",
+            nvcc_version="13.0",
+            package=PKG,
+            budget=budget,
+            cpu_slots=2,
+            profile=Profile([measured], default_peak=8 * GiB),
+            run_dir=tmp_path,
+        )
         made.append(broker)
         job = Job(name, 0, key=JobKey(name, ("120",), 1, "13.0", PKG))
         broker._predict(job)

@@ -36,8 +36,13 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     source = flash_attn_tree(tmp_path / "src")
 
     def run(*args: str):
-        options = {"--source": str(source), "--archs": "120", "--threads": "1", "--budget": "8GiB",
-                   "--out-dir": str(tmp_path / "out")}  # fmt: skip
+        options = {
+            "--source": str(source),
+            "--archs": "120",
+            "--threads": "1",
+            "--budget": "8GiB",
+            "--out-dir": str(tmp_path / "out"),
+        }
         for option, value in zip(args[::2], args[1::2], strict=True):
             options[option] = value
         return CliRunner().invoke(app, ["build", "flash-attn", *(x for kv in options.items() for x in kv)])
@@ -66,8 +71,9 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ),
     ],
 )
-def test_a_wrong_option_or_file_is_one_line_naming_it(tmp_path: Path, build, option: str, value: str,
-                                                      named: str) -> None:  # fmt: skip
+def test_a_wrong_option_or_file_is_one_line_naming_it(
+    tmp_path: Path, build, option: str, value: str, named: str
+) -> None:
     (tmp_path / "malformed.json").write_text('{"entries": [\n')
     (tmp_path / "no_entries.json").write_text('{"note": "measured by hand"}\n')
     result = build(option, value.format(tmp=tmp_path))

@@ -102,8 +102,15 @@ def test_the_toolchain_names_the_python_the_wheel_is_built_for(tmp_path: Path) -
 
 def test_a_budget_below_the_largest_measured_job_is_refused_up_front(tmp_path: Path) -> None:
     src = tree(tmp_path)
-    measured = ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB,
-                            wall_s=120, package="flash-attn 2.8.3")  # fmt: skip
+    measured = ProfileEntry(
+        "flash_bwd_hdim128_bf16_sm80.cu",
+        ["120"],
+        1,
+        "13.0",
+        anon_peak_bytes=6 * GiB,
+        wall_s=120,
+        package="flash-attn 2.8.3",
+    )
     profile = Profile([measured], default_peak=8 * GiB)
     check_budget(plan(src, 7 * GiB), profile, cuda_sources(src))
     with pytest.raises(BuildError, match=r"5.00 GiB is below .* flash_bwd_hdim128_bf16_sm80.cu needs 6.00"):
@@ -141,8 +148,13 @@ def test_an_explicit_budget_is_checked_against_what_the_process_really_has() -> 
     from pipeline.compile.flash_attn import resolve_budget
     from pipeline.memory import Budget
 
-    has = Budget(available=20 * GiB, mem_total=64 * GiB, mem_available=30 * GiB, cgroup_version=2,
-                 binding="cgroup /sys/fs/cgroup/build (limit − usage)")  # fmt: skip
+    has = Budget(
+        available=20 * GiB,
+        mem_total=64 * GiB,
+        mem_available=30 * GiB,
+        cgroup_version=2,
+        binding="cgroup /sys/fs/cgroup/build (limit − usage)",
+    )
     assert resolve_budget("12GiB", 2 * GiB, has) == (12 * GiB, "given with --budget", [])
     budget, _, warnings = resolve_budget("19GiB", 2 * GiB, has)
     assert budget == 19 * GiB and "leaves 1.00 GiB of the 20.00 GiB" in warnings[0]
@@ -169,8 +181,15 @@ def test_max_jobs_and_nvcc_threads_from_the_environment_are_used_and_said() -> N
 
 def test_a_prediction_cut_to_the_budget_is_said_with_the_margin_left(tmp_path: Path) -> None:
     src = tree(tmp_path)
-    measured = ProfileEntry("flash_bwd_hdim128_bf16_sm80.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB,
-                            wall_s=120, package="flash-attn 2.8.3")  # fmt: skip
+    measured = ProfileEntry(
+        "flash_bwd_hdim128_bf16_sm80.cu",
+        ["120"],
+        1,
+        "13.0",
+        anon_peak_bytes=6 * GiB,
+        wall_s=120,
+        package="flash-attn 2.8.3",
+    )
     profile = Profile([measured], default_peak=8 * GiB, margin=1.15)
     assert check_budget(plan(src, 8 * GiB), profile, cuda_sources(src)) == []
     (note,) = check_budget(plan(src, int(6.6 * GiB)), profile, cuda_sources(src))
@@ -193,8 +212,11 @@ def test_torch_headers_that_need_cpp20_raise_a_cpp17_setup_to_cpp20(tmp_path: Pa
     shim = write_cxx_shim(tmp_path, "c++20")
     probe = subprocess.run(
         [str(shim), "-std=c++17", "-x", "c++", "-dM", "-E", "-D", "ARG=a b", "-"],
-        input="", capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        input="",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "#define __cplusplus 202002L" in probe.stdout
     assert "#define ARG a b" in probe.stdout
 

@@ -20,31 +20,59 @@ GiB = 2**30
 PKG = "flash-attn 2.8.3"
 
 
-def entry(source: str, peak: float, nvcc: str = "13.0", archs=("120",), threads: int = 1,
-          package: str = PKG, shape=(0.2, 1.0, 0.3)) -> ProfileEntry:  # fmt: skip
-    return ProfileEntry(source, list(archs), threads, nvcc, int(peak * GiB), 100.0, package,
-                        shape=list(shape))  # fmt: skip
+def entry(
+    source: str,
+    peak: float,
+    nvcc: str = "13.0",
+    archs=("120",),
+    threads: int = 1,
+    package: str = PKG,
+    shape=(0.2, 1.0, 0.3),
+) -> ProfileEntry:
+    return ProfileEntry(
+        source, list(archs), threads, nvcc, int(peak * GiB), 100.0, package, shape=list(shape)
+    )
 
 
 def test_parse_nvcc_argv_as_torch_writes_it() -> None:
-    argv = ["-MD", "-MF", "x.o.d", "-I/inc", "-c", "/src/flash_bwd_hdim128_bf16_sm80.cu", "-o", "x.o",
-            "-O3", "-gencode", "arch=compute_100,code=sm_100", "-gencode", "arch=compute_120,code=sm_120",
-            "--threads", "4"]  # fmt: skip
+    argv = [
+        "-MD",
+        "-MF",
+        "x.o.d",
+        "-I/inc",
+        "-c",
+        "/src/flash_bwd_hdim128_bf16_sm80.cu",
+        "-o",
+        "x.o",
+        "-O3",
+        "-gencode",
+        "arch=compute_100,code=sm_100",
+        "-gencode",
+        "arch=compute_120,code=sm_120",
+        "--threads",
+        "4",
+    ]
     assert parse_nvcc_argv(argv) == ("/src/flash_bwd_hdim128_bf16_sm80.cu", ("100", "120"), 4)
     assert parse_nvcc_argv(["-c", "a.cu", "-arch=sm_90a"]) == ("a.cu", ("90a",), 1)
 
 
 def test_exact_measurement_with_margin() -> None:
-    p = Profile([ProfileEntry("a.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB, wall_s=120, package=PKG)],
-                default_peak=8 * GiB, margin=1.15)  # fmt: skip
+    p = Profile(
+        [ProfileEntry("a.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB, wall_s=120, package=PKG)],
+        default_peak=8 * GiB,
+        margin=1.15,
+    )
     pred = p.predict(JobKey("a.cu", ("120",), 1, "13.0", PKG))
     assert pred.peak_bytes == math.ceil(6 * GiB * 1.15)
     assert pred.wall_s == 120
 
 
 def test_other_archs_and_threads_scale_by_archs_in_flight() -> None:
-    p = Profile([ProfileEntry("a.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB, wall_s=120, package=PKG)],
-                default_peak=8 * GiB, margin=1.0)  # fmt: skip
+    p = Profile(
+        [ProfileEntry("a.cu", ["120"], 1, "13.0", anon_peak_bytes=6 * GiB, wall_s=120, package=PKG)],
+        default_peak=8 * GiB,
+        margin=1.0,
+    )
     two_parallel = p.predict(JobKey("a.cu", ("100", "120"), 4, "13.0", PKG))
     assert two_parallel.peak_bytes == 12 * GiB and two_parallel.wall_s == 120
     two_serial = p.predict(JobKey("a.cu", ("100", "120"), 1, "13.0", PKG))
@@ -66,8 +94,11 @@ def test_the_issue_reproduction_an_unmeasured_toolchain_is_not_predicted_below_i
     """nvcc 13.1 unmeasured: after a small file finished, big ones were admitted at 4.21 GiB, OOM-killed.
     (13.1's profile ships now: the case is replayed with the nvcc 13.0 profile alone.)"""
     shipped = Profile.load([SHIPPED_PROFILES / "flash-attn-2.8.3-nvcc13.0.json"], default_peak=1, margin=1.0)
-    p = Profile.load([SHIPPED_PROFILES / "flash-attn-2.8.3-nvcc13.0.json"],
-                     default_peak=load_profile(("120",), 1).default_peak, margin=1.0)  # fmt: skip
+    p = Profile.load(
+        [SHIPPED_PROFILES / "flash-attn-2.8.3-nvcc13.0.json"],
+        default_peak=load_profile(("120",), 1).default_peak,
+        margin=1.0,
+    )
 
     def key(name: str, nvcc: str = "13.1") -> JobKey:
         return JobKey(name, ("120",), 1, nvcc, PKG)
@@ -95,8 +126,11 @@ def test_finished_jobs_scale_derived_estimates_up_never_down() -> None:
 
 
 def test_the_nearest_toolchain_of_the_same_package_version_is_the_neighbour() -> None:
-    measured = [entry("a.cu", 4.0, nvcc="12.8"), entry("a.cu", 5.0, nvcc="13.0"),
-                entry("a.cu", 9.0, package="flash-attn 2.7.4")]  # fmt: skip
+    measured = [
+        entry("a.cu", 4.0, nvcc="12.8"),
+        entry("a.cu", 5.0, nvcc="13.0"),
+        entry("a.cu", 9.0, package="flash-attn 2.7.4"),
+    ]
     p = Profile(measured, default_peak=8 * GiB, margin=1.0)
     assert p.predict(JobKey("a.cu", ("120",), 1, "13.1", PKG)).peak_bytes == 5 * GiB
     assert p.predict(JobKey("a.cu", ("120",), 1, "12.9", PKG)).peak_bytes == 4 * GiB

@@ -16,8 +16,17 @@ from pipeline.run.verdict import Verdict, decide
 
 
 def launch(tmp_path: Path, script: str) -> Launch:
-    return Launch(run_id="r", step="job", attempt=1, argv=["sh", "-c", script], cwd=tmp_path, env={},
-                  limit_bytes=2**30, stdout_path=tmp_path / "out", stderr_path=tmp_path / "err")  # fmt: skip
+    return Launch(
+        run_id="r",
+        step="job",
+        attempt=1,
+        argv=["sh", "-c", script],
+        cwd=tmp_path,
+        env={},
+        limit_bytes=2**30,
+        stdout_path=tmp_path / "out",
+        stderr_path=tmp_path / "err",
+    )
 
 
 def child_pid(tmp_path: Path) -> int:

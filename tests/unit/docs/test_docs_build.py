@@ -40,11 +40,23 @@ USER_ORDER = [
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
     """`mkdocs build --strict` of ``config`` into ``site``, as a user runs it (the theme's notice off)."""
     return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
-         "--site-dir", str(site)],
-        capture_output=True, text=True, timeout=300, cwd=config.parent,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(config),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=config.parent,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+    )
 
 
 def nav_pages(nav: list) -> list[str]:
@@ -95,8 +107,15 @@ def test_a_broken_link_or_anchor_fails_the_strict_build(tmp_path, page, added, s
 
 def test_the_readme_is_one_screen_that_leads_to_the_docs():
     assert len(README.splitlines()) <= README_LINES, f"{len(README.splitlines())} lines"
-    commands = ["make demo", "make test", "make test-slow", "make provision host=", "make images",
-                "docker compose -f compose/compose.yaml up pipeline", ".venv/bin/mkdocs serve"]  # fmt: skip
+    commands = [
+        "make demo",
+        "make test",
+        "make test-slow",
+        "make provision host=",
+        "make images",
+        "docker compose -f compose/compose.yaml up pipeline",
+        ".venv/bin/mkdocs serve",
+    ]
     assert [command for command in commands if command not in README] == []
     links = {link for link in re.findall(r"\]\(([^)#\s]+)[^)]*\)", README) if "://" not in link}
     assert [link for link in links if not (REPO / link).is_file()] == []

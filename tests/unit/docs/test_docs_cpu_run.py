@@ -42,10 +42,22 @@ def test_make_cpu_runs_the_real_job_on_the_settings_of_cpu_env(tmp_path):
     # none of the developer's settings, but the cache where the tiny target is made once
     environ = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_") or k == "EYRIE_CACHE_DIR"}
     done = subprocess.run(
-        ["make", "--no-print-directory", "-o", "venv", "cpu", f"EYRIE={recorder}", f"CPU_RUN_DIR={run_dir}",
-         "EYRIE_QUOTA=3"],
-        cwd=REPO, env={**environ, "EYRIE_MAX_STEPS": "12"}, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            "venv",
+            "cpu",
+            f"EYRIE={recorder}",
+            f"CPU_RUN_DIR={run_dir}",
+            "EYRIE_QUOTA=3",
+        ],
+        cwd=REPO,
+        env={**environ, "EYRIE_MAX_STEPS": "12"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     (run_args, env), (status_args, _) = [json.loads(line) for line in calls.read_text().splitlines()]
     assert run_args == ["run", "pipeline/embedded/eagle3.yaml", "--run-dir", str(run_dir)]

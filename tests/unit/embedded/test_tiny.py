@@ -76,9 +76,11 @@ def test_target_is_cached_loadable_and_not_degenerate(tmp_path):
     assert model.config.num_hidden_layers == tiny.MODEL_CONFIG["num_hidden_layers"]
     assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": "What is 12 plus 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
-    )  # fmt: skip
+    )
     out = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert len(set(out.tolist())) >= 8, tokenizer.decode(out)
     training = json.loads((folder / "training.json").read_text())
@@ -90,8 +92,12 @@ def test_step_command_writes_model_and_manifest(tmp_path):
     env = {**os.environ, "EYRIE_STEP_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "embedded", "target", "--out-dir", "model"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     ok, why = check_manifest(tmp_path, ["model"])
     assert ok, why

@@ -94,8 +94,11 @@ def test_server_reasoning_field_and_tool_calls_are_kept():
     plan.next_history()
     plan.feed({"role": "assistant", "content": None, "reasoning": "hmm", "tool_calls": [TOOL_CALL]})
     assert plan.conversation[-1] == {
-        "role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [TOOL_CALL],
-    }  # fmt: skip
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "hmm",
+        "tool_calls": [TOOL_CALL],
+    }
 
 
 @pytest.mark.parametrize(

@@ -99,8 +99,12 @@ def world(tmp_path):
 def _run(world, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), str(world["tmp"] / "out"), *args],
-        capture_output=True, text=True, env=world["env"], cwd=world["tmp"], timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=world["env"],
+        cwd=world["tmp"],
+        timeout=300,
+    )
 
 
 def test_a_wheel_built_here_is_taken_pinned_and_its_dependencies_resolved(world):

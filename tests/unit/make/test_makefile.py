@@ -14,10 +14,20 @@ from eyrie_testing import REPO
 def test_make_demo_ends_by_saying_how_to_run_eyrie():
     # -n: the recipe as make would run it, nothing run; the venv is taken as installed.
     dry = subprocess.run(
-        ["make", "-n", "-o", "venv", "-o", ".venv/.installed-dev,ml,generate,docker,provision,quantized",
-         "demo"],
-        capture_output=True, text=True, cwd=REPO, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        [
+            "make",
+            "-n",
+            "-o",
+            "venv",
+            "-o",
+            ".venv/.installed-dev,ml,generate,docker,provision,quantized",
+            "demo",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout.splitlines()
     status = next(i for i, line in enumerate(dry) if "eyrie status --run-dir runs/demo" in line)
     after = "\n".join(dry[status + 1 :])
     assert ".venv/bin/eyrie explain train --run-dir runs/demo" in after
@@ -26,10 +36,21 @@ def test_make_demo_ends_by_saying_how_to_run_eyrie():
 
 def _dry_images(*settings: str) -> list[str]:
     return subprocess.run(
-        ["make", "-n", "-o", "venv", "-o", ".venv/.installed-dev,ml,generate,docker,provision,quantized",
-         "images", *settings],
-        capture_output=True, text=True, cwd=REPO, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        [
+            "make",
+            "-n",
+            "-o",
+            "venv",
+            "-o",
+            ".venv/.installed-dev,ml,generate,docker,provision,quantized",
+            "images",
+            *settings,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout.splitlines()
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -28,14 +28,28 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def v2_cgroup_files(directory: Path, *, limit: str, current: int, anon: int, inactive_file: int,
-                    oom_kill: int = 0, peak: int | None = None, procs: str = "") -> None:  # fmt: skip
+def v2_cgroup_files(
+    directory: Path,
+    *,
+    limit: str,
+    current: int,
+    anon: int,
+    inactive_file: int,
+    oom_kill: int = 0,
+    peak: int | None = None,
+    procs: str = "",
+) -> None:
     _write(directory / "memory.max", limit + "\n")
     _write(directory / "memory.current", f"{current}\n")
-    _write(directory / "memory.stat", f"anon {anon}\nfile {current - anon}\nkernel 0\n"
-           f"inactive_file {inactive_file}\nactive_file {current - anon - inactive_file}\n")  # fmt: skip
-    _write(directory / "memory.events", f"low 0\nhigh 0\nmax {oom_kill * 3}\noom {oom_kill}\n"
-           f"oom_kill {oom_kill}\noom_group_kill 0\n")  # fmt: skip
+    _write(
+        directory / "memory.stat",
+        f"anon {anon}\nfile {current - anon}\nkernel 0\n"
+        f"inactive_file {inactive_file}\nactive_file {current - anon - inactive_file}\n",
+    )
+    _write(
+        directory / "memory.events",
+        f"low 0\nhigh 0\nmax {oom_kill * 3}\noom {oom_kill}\noom_kill {oom_kill}\noom_group_kill 0\n",
+    )
     _write(directory / "memory.swap.max", "max\n")
     if peak is not None:
         _write(directory / "memory.peak", f"{peak}\n")
@@ -48,18 +62,28 @@ def v2_cgroup_files(directory: Path, *, limit: str, current: int, anon: int, ina
 def v2_host(tmp_path: Path) -> Path:
     """An Ubuntu 24.04 host: cgroup2 at /sys/fs/cgroup, eyrie in system.slice/eyrie.service (8 GiB)."""
     root = tmp_path
-    _write(root / "proc/self/mountinfo",
-           "24 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw\n"
-           "31 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
-           "rw,nsdelegate,memory_recursiveprot\n")  # fmt: skip
+    _write(
+        root / "proc/self/mountinfo",
+        "24 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw\n"
+        "31 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
+        "rw,nsdelegate,memory_recursiveprot\n",
+    )
     _write(root / "proc/self/cgroup", "0::/system.slice/eyrie.service\n")
     _write(root / "proc/meminfo", MEMINFO)
     cg = root / "sys/fs/cgroup"
     _write(cg / "cgroup.controllers", "cpuset cpu io memory hugetlb pids rdma misc\n")
     _write(cg / "cgroup.subtree_control", "cpu io memory pids\n")
     v2_cgroup_files(cg / "system.slice", limit="max", current=3 * GiB, anon=2 * GiB, inactive_file=GiB // 2)
-    v2_cgroup_files(cg / "system.slice/eyrie.service", limit=str(8 * GiB), current=GiB, anon=600 * MiB,
-                    inactive_file=256 * MiB, oom_kill=2, peak=5 * GiB, procs="1234\n5678\n")  # fmt: skip
+    v2_cgroup_files(
+        cg / "system.slice/eyrie.service",
+        limit=str(8 * GiB),
+        current=GiB,
+        anon=600 * MiB,
+        inactive_file=256 * MiB,
+        oom_kill=2,
+        peak=5 * GiB,
+        procs="1234\n5678\n",
+    )
     return root
 
 
@@ -128,17 +152,22 @@ def test_v2_set_limit_disables_swap(v2_host: Path):
 def test_v1_inside_a_container_sees_its_own_cgroup_as_root(tmp_path: Path):
     """Docker on cgroup v1: /proc/self/cgroup names /docker/<id>, the mount's root is that cgroup."""
     root = tmp_path
-    _write(root / "proc/self/mountinfo",
-           "700 690 0:32 /docker/abc123 /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
-           "701 690 0:33 /docker/abc123 /sys/fs/cgroup/pids ro,nosuid - cgroup cgroup rw,pids\n")  # fmt: skip
+    _write(
+        root / "proc/self/mountinfo",
+        "700 690 0:32 /docker/abc123 /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
+        "701 690 0:33 /docker/abc123 /sys/fs/cgroup/pids ro,nosuid - cgroup cgroup rw,pids\n",
+    )
     _write(root / "proc/self/cgroup", "5:pids:/docker/abc123\n4:memory:/docker/abc123\n")
     _write(root / "proc/meminfo", MEMINFO)
     mem = root / "sys/fs/cgroup/memory"
     _write(mem / "memory.limit_in_bytes", f"{2 * GiB}\n")
     _write(mem / "memory.usage_in_bytes", f"{GiB}\n")
     _write(mem / "memory.max_usage_in_bytes", f"{GiB + MiB}\n")
-    _write(mem / "memory.stat", f"cache {MiB}\nrss {GiB - MiB}\ntotal_cache {MiB}\ntotal_rss {GiB - MiB}\n"
-           f"total_inactive_file {MiB}\n")  # fmt: skip
+    _write(
+        mem / "memory.stat",
+        f"cache {MiB}\nrss {GiB - MiB}\ntotal_cache {MiB}\ntotal_rss {GiB - MiB}\n"
+        f"total_inactive_file {MiB}\n",
+    )
     _write(mem / "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
     own = current_cgroup(root / "proc", root)
     assert isinstance(own, CgroupV1) and own.path == mem and own.relative == "/"

@@ -46,9 +46,16 @@ def test_v1_eventfd_fires_when_the_cgroup_goes_out_of_memory():
         notifier = event_notifier(cgroup)
         assert notifier is not None
         hog = subprocess.Popen(
-            ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
-             sys.executable, "-c", "x = [b'1' * 2**20 for _ in range(200)]"],
-        )  # fmt: skip
+            [
+                "/bin/sh",
+                "-c",
+                'echo $$ > "$0" && exec "$@"',
+                str(cgroup.path / "cgroup.procs"),
+                sys.executable,
+                "-c",
+                "x = [b'1' * 2**20 for _ in range(200)]",
+            ],
+        )
         assert notifier.wait(30) is True
         hog.wait(30)
         assert cgroup.oom_kills() >= 1

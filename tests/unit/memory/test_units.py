@@ -5,9 +5,16 @@ from pipeline.memory import format_size, parse_duration, parse_size
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("512MiB", 512 * 2**20), ("4GiB", 4 * 2**30), ("2GB", 2 * 10**9), ("1.5G", 1_500_000_000),
-     ("100", 100), (4096, 4096), ("64 mib", 64 * 2**20)],
-)  # fmt: skip
+    [
+        ("512MiB", 512 * 2**20),
+        ("4GiB", 4 * 2**30),
+        ("2GB", 2 * 10**9),
+        ("1.5G", 1_500_000_000),
+        ("100", 100),
+        (4096, 4096),
+        ("64 mib", 64 * 2**20),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 

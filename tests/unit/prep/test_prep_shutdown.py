@@ -76,15 +76,27 @@ def test_prep_command_exits_zero_after_a_quota_stops_reading(big_parquet, tmp_pa
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(
         yaml.safe_dump(
-            {"sources": [{"name": "tokens", "data": str(big_parquet), "format": "tokenized", "quota": 10,
-                          "native": True}]}
+            {
+                "sources": [
+                    {
+                        "name": "tokens",
+                        "data": str(big_parquet),
+                        "format": "tokenized",
+                        "quota": 10,
+                        "native": True,
+                    }
+                ]
+            }
         )
-    )  # fmt: skip
+    )
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "prep", "--catalog", str(catalog), "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Exception ignored" not in result.stderr
     assert pq.read_table(out / "native_tokenized.parquet").num_rows == 10

@@ -149,8 +149,12 @@ def test_unknown_speakers_are_named_with_the_roles_the_map_knows(tmp_path, capsy
 
 
 def test_a_failed_rerun_leaves_no_manifest_over_the_old_outputs(tmp_path, capsys):
-    gsm = {"name": "math", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
-           "fields": {"prompt": "question", "response": "answer"}}  # fmt: skip
+    gsm = {
+        "name": "math",
+        "data": str(SAMPLES / "gsm8k.jsonl"),
+        "format": "pairs",
+        "fields": {"prompt": "question", "response": "answer"},
+    }
     out = tmp_path / "out"
     assert run_prep(write_catalog(tmp_path, [gsm]), out) == 0
     assert check_manifest(out, OUTPUTS)[0]
@@ -173,9 +177,16 @@ def test_schema_probe_stops_a_mismatched_source_after_100_rows(tmp_path, capsys)
 
 def test_turn_keys_of_the_wrong_shape_are_named(tmp_path, capsys):
     catalog = write_catalog(
-        tmp_path, [{"name": "sg", "data": str(SAMPLES / "sharegpt_vicuna.json"), "format": "messages",
-                    "fields": {"messages": "conversations"}}],
-    )  # fmt: skip
+        tmp_path,
+        [
+            {
+                "name": "sg",
+                "data": str(SAMPLES / "sharegpt_vicuna.json"),
+                "format": "messages",
+                "fields": {"messages": "conversations"},
+            }
+        ],
+    )
     assert run_prep(catalog, tmp_path / "out") == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "turns have {from, value}" in err and "(a list of {role, content})" in err
@@ -220,12 +231,16 @@ def test_a_source_that_cannot_be_read_is_named_and_nothing_is_written(tmp_path, 
     catalog = write_catalog(
         tmp_path,
         [
-            {"name": "good", "data": str(SAMPLES / "gsm8k.jsonl"), "format": "pairs",
-             "fields": {"prompt": "question", "response": "answer"}},
+            {
+                "name": "good",
+                "data": str(SAMPLES / "gsm8k.jsonl"),
+                "format": "pairs",
+                "fields": {"prompt": "question", "response": "answer"},
+            },
             {"name": "broken", "data": str(broken), "format": "tokenized"},
             {"name": "hub", "data": "openai/gsm8k", "config": "main", "format": "pairs"},
         ],
-    )  # fmt: skip
+    )
     out = tmp_path / "out"
     assert run_prep(catalog, out) == 1
     err = " ".join(capsys.readouterr().err.split())
@@ -346,8 +361,12 @@ def test_online_on_a_host_that_cannot_resolve_the_hub_fails_at_once_and_says_off
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "prep", "--out-dir", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO, timeout=120, env={**env, "HF_ENDPOINT": "https://hub.invalid"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**env, "HF_ENDPOINT": "https://hub.invalid"},
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert time.monotonic() - started < 30  # not minutes of retries
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]

@@ -57,15 +57,22 @@ def test_prep_then_tokenize_as_steps(tmp_path, tiny_tokenizer):
         {
             "name": "tokenize",
             "command": [
-                "eyrie", "tokenize", "--tokenizer", str(tiny_tokenizer),
-                "--conversations", f"{run}/prep/native.jsonl",
-                "--tokenized", f"{run}/prep/native_tokenized.parquet", "--max-length", "2048",
+                "eyrie",
+                "tokenize",
+                "--tokenizer",
+                str(tiny_tokenizer),
+                "--conversations",
+                f"{run}/prep/native.jsonl",
+                "--tokenized",
+                f"{run}/prep/native_tokenized.parquet",
+                "--max-length",
+                "2048",
             ],
             "needs": ["prep"],
             "memory": "1GiB",
             "outputs": ["shards"],
         },
-    ]  # fmt: skip
+    ]
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text(yaml.safe_dump({"name": "prep-tokenize", "steps": steps}))
     run_dir = tmp_path / "run"

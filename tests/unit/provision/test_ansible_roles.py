@@ -37,17 +37,28 @@ def test_every_default_is_documented_in_argument_specs(role):
 
 def test_playbook_syntax():
     result = subprocess.run(
-        [str(BIN / "ansible-playbook"), "--syntax-check", "-i", "inventory/example.yml",
-         "playbooks/provision.yml"],
-        cwd=ANSIBLE, capture_output=True, text=True, timeout=120,
+        [
+            str(BIN / "ansible-playbook"),
+            "--syntax-check",
+            "-i",
+            "inventory/example.yml",
+            "playbooks/provision.yml",
+        ],
+        cwd=ANSIBLE,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg")},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_ansible_lint_production_profile_is_clean():
     result = subprocess.run(
         [str(BIN / "ansible-lint"), "--profile", "production", "--offline", "--nocolor"],
-        cwd=ANSIBLE, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ANSIBLE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

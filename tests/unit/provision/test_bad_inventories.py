@@ -26,9 +26,12 @@ def _inventory(tmp_path: Path, tree: dict | str, name: str = "hosts.yml") -> Pat
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "provision", *args],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
         env={"COLUMNS": "80", "PATH": f"{sys.prefix}/bin:/usr/bin:/bin"},
-    )  # fmt: skip
+    )
 
 
 def _one_line(result: subprocess.CompletedProcess) -> str:
@@ -73,8 +76,11 @@ def test_every_misspelling_is_reported_once_with_the_hosts_that_set_it(tmp_path)
 def test_variables_of_the_site_file_and_extra_variables_are_checked_too(tmp_path, monkeypatch):
     site = _inventory(tmp_path, {"nvidia_driver_brnch": "590"}, "gpu_hosts.yml")
     monkeypatch.setattr(runner, "SITE_VARS", site)
-    with pytest.raises(ProvisionError, match=rf"^{site}: nvidia_driver_brnch is not a variable of any role; "
-                                             "did you mean nvidia_driver_branch\\?$"):  # fmt: skip
+    with pytest.raises(
+        ProvisionError,
+        match=rf"^{site}: nvidia_driver_brnch is not a variable of any role; "
+        "did you mean nvidia_driver_branch\\?$",
+    ):
         provision(host="gpu01", data_dir=tmp_path / "data")
     monkeypatch.undo()
     with pytest.raises(ProvisionError, match="^extra variables: cuda_tolkit_version is not a variable"):

@@ -39,12 +39,27 @@ def _preflight(tmp_path: Path, facts: dict, **variables) -> subprocess.Completed
     )
     extra = {"ansible_facts": facts, "ansible_python_interpreter": sys.executable, **variables}
     return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
-         str(playbook)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
-        env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-             "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            json.dumps(extra),
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+            "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"),
+            "ANSIBLE_NOCOLOR": "1",
+        },
+    )
 
 
 def test_distribution_docker_on_debian_stops_before_anything_is_installed(tmp_path):
@@ -111,12 +126,27 @@ def test_a_docker_user_that_does_not_exist_stops_the_run_instead_of_being_create
     )
     extra = {"ansible_python_interpreter": sys.executable, "docker_users": ["root", "eyrie-no-such-user"]}
     result = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
-         str(playbook)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
-        env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-             "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            json.dumps(extra),
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+            "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"),
+            "ANSIBLE_NOCOLOR": "1",
+        },
+    )
     assert result.returncode != 0
     out = " ".join(result.stdout.split())
     missing = "docker_users: eyrie-no-such-user is not a user on localhost; create it first, or correct"

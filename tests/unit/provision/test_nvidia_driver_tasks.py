@@ -53,11 +53,22 @@ def _run_loaded_check(tmp_path: Path, proc_version: Path) -> subprocess.Complete
     )
     extra = {"nvidia_driver_proc_version": str(proc_version), "ansible_python_interpreter": sys.executable}
     return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
-         str(playbook)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            json.dumps(extra),
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
         env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+    )
 
 
 def test_the_installed_driver_loaded_after_the_reboot_passes(tmp_path):
@@ -149,9 +160,12 @@ def test_initramfs_images_without_the_blacklist_are_found(tmp_path):
             (boot / f"initrd.img-{version}").write_text(content)
     (boot / "initrd.img-6.8.0-40-generic.old-dkms").write_text(listing)  # DKMS's backup: not booted
     result = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, timeout=60,
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [f"{boot}/initrd.img-6.8.0-45-generic"]
 
@@ -175,11 +189,22 @@ def _play(tmp_path: Path, tasks: list[dict], variables: dict, hosts: int = 1) ->
     inventory = ",".join(f"host{i}" for i in range(hosts)) + ","
     extra = {"ansible_python_interpreter": sys.executable, **variables}
     return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", inventory, "-c", "local", "-e", json.dumps(extra),
-         str(playbook)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            inventory,
+            "-c",
+            "local",
+            "-e",
+            json.dumps(extra),
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
         env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+    )
 
 
 def _pci_device(root: Path, address: str, vendor: str, pci_class: str) -> None:
@@ -277,9 +302,12 @@ def _headers_script(tmp_path: Path, installed: dict[str, str], known: set[str]) 
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     result = subprocess.run(
-        ["bash", "-c", find["ansible.builtin.shell"]], capture_output=True, text=True, timeout=60,
+        ["bash", "-c", find["ansible.builtin.shell"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -307,9 +335,14 @@ def test_without_a_kernel_image_metapackage_the_distributions_headers_are_instal
     ):
         result = _play(
             tmp_path,
-            [{"name": "Show", "vars": install["vars"],
-              "ansible.builtin.debug": {"msg": "{{ nvidia_driver_headers_metapackages | join(',') }}"}}],
+            [
+                {
+                    "name": "Show",
+                    "vars": install["vars"],
+                    "ansible.builtin.debug": {"msg": "{{ nvidia_driver_headers_metapackages | join(',') }}"},
+                }
+            ],
             {"ansible_facts": facts, "nvidia_driver_headers_found": {"stdout_lines": []}},
-        )  # fmt: skip
+        )
         assert result.returncode == 0, result.stdout[-3000:]
         assert f"msg: {expected}\n" in result.stdout, result.stdout[-2000:]

@@ -64,8 +64,11 @@ def _variables(result, host: str) -> dict:
     inventory_command = Path(sys.executable).parent / "ansible-inventory"
     listed = subprocess.run(
         [str(inventory_command), *(f"-i{s}" for s in sources), "--host", host],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(listed.stdout)
 
 
@@ -137,9 +140,12 @@ def test_cli_exits_non_zero_naming_host_and_task(tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "provision", "--inventory", str(inventory)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
         env={"COLUMNS": "200", "PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "ANSIBLE_TIMEOUT": "3"},
-    )  # fmt: skip
+    )
     assert result.returncode != 0
     assert "gpu-gone: unreachable at task 'Gathering Facts'" in result.stderr, result.stderr
     # Artifacts go to the private data dir under the working directory.
@@ -157,8 +163,11 @@ def test_verify_needs_a_target():
 def test_verify_of_an_unreachable_host_is_one_line_naming_it():
     result = subprocess.run(
         ["make", "--no-print-directory", "verify", "host=eyrie-no-such-host.invalid"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode != 0
     said = [line for line in result.stderr.splitlines() if line.startswith("eyrie verify:")]
     assert said == [

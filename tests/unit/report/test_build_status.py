@@ -21,15 +21,28 @@ def build_ledger(run_dir: Path) -> None:
     ]
     for name, expected, held, peak in jobs:
         attempt = ledger.begin_attempt(
-            run_id="build-1", step=name, attempt=1, executor="local", limit_bytes=held[0],
+            run_id="build-1",
+            step=name,
+            attempt=1,
+            executor="local",
+            limit_bytes=held[0],
             limit_reason="measured 6.00 GiB × 1.15 margin" if expected else "unmeasured file: default",
-            argv=["nvcc"], host_mem_available=20 * GiB, host_mem_total=24 * GiB, image=None, commit_id=None,
-        )  # fmt: skip
+            argv=["nvcc"],
+            host_mem_available=20 * GiB,
+            host_mem_total=24 * GiB,
+            image=None,
+            commit_id=None,
+        )
         ledger.reserve(attempt, held[0], expected, "admitted")
         for later in held[1:]:
             ledger.reserve(attempt, later, later, "peak passed")
-        ledger.end_attempt(attempt, verdict="succeeded", reason="exit 0",
-                           fields={"exit_code": 0, "anon_peak_bytes": peak}, timeline=[])  # fmt: skip
+        ledger.end_attempt(
+            attempt,
+            verdict="succeeded",
+            reason="exit 0",
+            fields={"exit_code": 0, "anon_peak_bytes": peak},
+            timeline=[],
+        )
     ledger.end_run("build-1", "succeeded")
     ledger.close()
 

@@ -44,17 +44,30 @@ def report(neighbours_run: Path) -> str:
 def test_the_run_chart_draws_the_host_every_step_the_budget_and_each_death(report, neighbours_run, tmp_path):
     png = screenshot(neighbours_run / "report.html", tmp_path / "report.png")
     check_run_chart(report, png, STEPS)
-    marks = chart_pixels(png, report, {
-        "OOM kill": OOM_COLOR, "crash": CRASH_COLOR, "succeeded bar": VERDICT_COLORS["succeeded"],
-        "completed_then_crashed bar": VERDICT_COLORS["completed_then_crashed"], "failed bars": FAILED_COLOR,
-    })  # fmt: skip
+    marks = chart_pixels(
+        png,
+        report,
+        {
+            "OOM kill": OOM_COLOR,
+            "crash": CRASH_COLOR,
+            "succeeded bar": VERDICT_COLORS["succeeded"],
+            "completed_then_crashed bar": VERDICT_COLORS["completed_then_crashed"],
+            "failed bars": FAILED_COLOR,
+        },
+    )
     assert all(n >= 100 for n in marks.values()), marks
     # Each death is marked at its step and its kind; each attempt has its bar.
     events = set(re.findall(r'<g class="event" data-what="([^"]+)" data-step="([^"]+)"', report))
     assert events == {("OOM kill", "grows"), ("crash", "prep-a"), ("crash", "prep-b")}
     bars = re.findall(r'<g class="attempt" data-step="([^"]+)" data-verdict="([^"]+)"', report)
-    assert sorted(bars) == sorted([("server", "succeeded"), ("prep-a", "completed_then_crashed"),
-                                   ("prep-b", "crashed"), ("grows", "oom_killed")])  # fmt: skip
+    assert sorted(bars) == sorted(
+        [
+            ("server", "succeeded"),
+            ("prep-a", "completed_then_crashed"),
+            ("prep-b", "crashed"),
+            ("grows", "oom_killed"),
+        ]
+    )
     # Axes a value can be read from: sizes with units on y, elapsed time on x.
     chart = report[report.index('<svg class="run-chart"') : report.index("</svg>")]
     sizes = re.findall(r'text-anchor="end">(\d+(?:\.\d)? [KMGT]iB)</text>', chart)
@@ -83,8 +96,14 @@ def test_the_check_fails_when_a_series_is_missing_or_the_chart_is_empty(report, 
 def test_ticks_are_round_values_with_units():
     ticks = byte_ticks(parse_size("96MiB"))
     assert [byte_label(t) for t in ticks] == ["0", "20 MiB", "40 MiB", "60 MiB", "80 MiB", "100 MiB"]
-    assert [byte_label(t) for t in byte_ticks(parse_size("23.5GiB"))] == ["0", "5 GiB", "10 GiB", "15 GiB",
-                                                                          "20 GiB", "25 GiB"]  # fmt: skip
+    assert [byte_label(t) for t in byte_ticks(parse_size("23.5GiB"))] == [
+        "0",
+        "5 GiB",
+        "10 GiB",
+        "15 GiB",
+        "20 GiB",
+        "25 GiB",
+    ]
     assert byte_label(parse_size("1.5GiB")) == "1.5 GiB"
     assert [time_label(t, 6.9) for t in time_ticks(6.9)] == [f"0:0{i}" for i in range(7)]
     assert [time_label(t, 5400) for t in time_ticks(5400)][:3] == ["0:00", "0:15", "0:30"]
@@ -118,18 +137,38 @@ def _build_ledger(run_dir: Path, *, running: bool = False) -> int:
     ids = {}
     for job, limit, start in (("a.cu", 3 * GIB, 0), ("b.cu", 5 * GIB // 2, 12)):
         ids[job] = ledger.begin_attempt(
-            run_id="b1", step=job, attempt=1, executor="cgroup", limit_bytes=limit, limit_reason=None,
-            argv=["nvcc"], host_mem_available=8 * GIB, host_mem_total=16 * GIB, image=None, commit_id=None,
-        )  # fmt: skip
+            run_id="b1",
+            step=job,
+            attempt=1,
+            executor="cgroup",
+            limit_bytes=limit,
+            limit_reason=None,
+            argv=["nvcc"],
+            host_mem_available=8 * GIB,
+            host_mem_total=16 * GIB,
+            image=None,
+            commit_id=None,
+        )
         if not (running and job == "b.cu"):
             ledger.end_attempt(
-                ids[job], verdict="succeeded", reason="exit 0",
-                fields={"started_at": t0 + start, "ended_at": t0 + 30, "peak_bytes": GIB,
-                        "anon_peak_bytes": GIB, "exit_code": 0},
+                ids[job],
+                verdict="succeeded",
+                reason="exit 0",
+                fields={
+                    "started_at": t0 + start,
+                    "ended_at": t0 + 30,
+                    "peak_bytes": GIB,
+                    "anon_peak_bytes": GIB,
+                    "exit_code": 0,
+                },
                 timeline=[(float(s), GIB // 2, GIB // 2) for s in range(1, 31 - start)],
-            )  # fmt: skip
-    reservations = (("a.cu", 3 * GIB, 0), ("a.cu", GIB, 10),
-                    ("b.cu", 5 * GIB // 2, 12), ("b.cu", 3 * GIB // 2, 20))  # fmt: skip
+            )
+    reservations = (
+        ("a.cu", 3 * GIB, 0),
+        ("a.cu", GIB, 10),
+        ("b.cu", 5 * GIB // 2, 12),
+        ("b.cu", 3 * GIB // 2, 20),
+    )
     for job, reserved, _ in reservations:
         ledger.reserve(ids[job], reserved, None, "a change")
     ledger.close()
@@ -203,14 +242,25 @@ def _budget_set_by_mem_available(run_dir: Path) -> None:
     t0 = time.time() - 60
     ledger.start_run("r1", "p.yaml", "local", ["job"], 8 * GIB, "MemAvailable")
     job = ledger.begin_attempt(
-        run_id="r1", step="job", attempt=1, executor="local", limit_bytes=GIB, limit_reason=None,
-        argv=["job"], host_mem_available=8 * GIB, host_mem_total=16 * GIB, image=None, commit_id=None,
-    )  # fmt: skip
+        run_id="r1",
+        step="job",
+        attempt=1,
+        executor="local",
+        limit_bytes=GIB,
+        limit_reason=None,
+        argv=["job"],
+        host_mem_available=8 * GIB,
+        host_mem_total=16 * GIB,
+        image=None,
+        commit_id=None,
+    )
     ledger.end_attempt(
-        job, verdict="succeeded", reason="exit 0",
+        job,
+        verdict="succeeded",
+        reason="exit 0",
         fields={"started_at": t0, "ended_at": t0 + 30, "peak_bytes": GIB // 2, "exit_code": 0},
         timeline=[(float(s), GIB // 2, GIB // 2) for s in range(1, 31)],
-    )  # fmt: skip
+    )
     for s in range(31):
         ledger.add_host_sample("r1", HostSample(t0 + s, 16 * GIB, 8 * GIB, 8 * GIB))
     ledger.close()

@@ -22,8 +22,11 @@ def test_two_jobs_dead_beside_a_server_on_a_roomy_host_were_not_out_of_memory(ne
     for step, verdict in (("prep-a", "Completed, then crashed"), ("prep-b", "Crashed")):
         out = eyrie("explain", step, "--run-dir", str(neighbours_run), check=True).stdout
         assert verdict in out, out
-        assert re.search(r"At \d\d:\d\d:\d\d, when it ended, the host had [\d.]+ [GM]iB in use and "
-                         r"[\d.]+ GiB MemAvailable of [\d.]+ GiB\.", out), out  # fmt: skip
+        assert re.search(
+            r"At \d\d:\d\d:\d\d, when it ended, the host had [\d.]+ [GM]iB in use and "
+            r"[\d.]+ GiB MemAvailable of [\d.]+ GiB\.",
+            out,
+        ), out
         beside = re.search(r"Beside it ran: (.*)\n", out).group(1)
         server = re.search(r"server ([\d.]+) MiB of its 256\.00 MiB limit", beside)
         assert server and 140 <= float(server.group(1)) <= 256, beside  # the server held 150 MiB
@@ -67,30 +70,48 @@ def test_a_runner_in_a_small_cgroup_on_a_roomy_host_does_not_call_the_host_full(
     assert "was full" not in out, out
 
 
-def _recorded_run(run_dir: Path, *, host_available: int, with_host: bool = True,
-                  executor: str = "local") -> None:  # fmt: skip
+def _recorded_run(
+    run_dir: Path, *, host_available: int, with_host: bool = True, executor: str = "local"
+) -> None:
     """A ledger as a runner writes it: a server at 12 GiB and a job killed beside it at t0 + 10 s."""
     ledger = Ledger(run_dir)
     t0 = time.time() - 60
     elsewhere = executor == "slurm"  # its steps run on nodes the runner does not see
-    ledger.start_run("r1", "p.yaml", executor, ["server", "job"], 15 * GIB, "MemAvailable",
-                     host_sampled=not elsewhere)  # fmt: skip
+    ledger.start_run(
+        "r1", "p.yaml", executor, ["server", "job"], 15 * GIB, "MemAvailable", host_sampled=not elsewhere
+    )
     killed = "the main process died of SIGKILL, and no OOM kill was counted in its cgroup"
     for step, limit, usage, seconds, verdict, reason, exit_code, signal in (
         ("server", 14 * GIB, 12 * GIB, 30, "succeeded", "exit 0", 0, None),
         ("job", 2 * GIB, 300 * MIB, 10, "crashed", killed, None, 9),
     ):
         attempt = ledger.begin_attempt(
-            run_id="r1", step=step, attempt=1, executor=executor, limit_bytes=limit, limit_reason=None,
-            argv=["x"], image=None, commit_id=None, host_mem_available=None if elsewhere else 15 * GIB,
+            run_id="r1",
+            step=step,
+            attempt=1,
+            executor=executor,
+            limit_bytes=limit,
+            limit_reason=None,
+            argv=["x"],
+            image=None,
+            commit_id=None,
+            host_mem_available=None if elsewhere else 15 * GIB,
             host_mem_total=None if elsewhere else 16 * GIB,
-        )  # fmt: skip
+        )
         ledger.end_attempt(
-            attempt, verdict=verdict, reason=reason,
-            fields={"started_at": t0, "ended_at": t0 + seconds, "peak_bytes": usage, "anon_peak_bytes": usage,
-                    "exit_code": exit_code, "signal": signal},
+            attempt,
+            verdict=verdict,
+            reason=reason,
+            fields={
+                "started_at": t0,
+                "ended_at": t0 + seconds,
+                "peak_bytes": usage,
+                "anon_peak_bytes": usage,
+                "exit_code": exit_code,
+                "signal": signal,
+            },
             timeline=[(float(s), usage, usage) for s in range(1, seconds + 1)],
-        )  # fmt: skip
+        )
     if with_host:
         for s in range(31):
             available = host_available if 8 <= s <= 11 else 3 * GIB
@@ -145,20 +166,34 @@ def _ledger_with_run(run_dir: Path, run_id: str) -> None:
     ledger = Ledger(run_dir)
     ledger.start_run(run_id, f"{run_id}.yaml", "local", ["prep"], GIB, "MemAvailable")
     attempt = ledger.begin_attempt(
-        run_id=run_id, step="prep", attempt=1, executor="local", limit_bytes=64 * MIB, limit_reason=None,
-        argv=["x"], host_mem_available=GIB, host_mem_total=2 * GIB, image=None, commit_id=None,
-    )  # fmt: skip
-    ledger.end_attempt(attempt, verdict="succeeded", reason=f"exit 0 in {run_id}", fields={"exit_code": 0},
-                       timeline=[])  # fmt: skip
+        run_id=run_id,
+        step="prep",
+        attempt=1,
+        executor="local",
+        limit_bytes=64 * MIB,
+        limit_reason=None,
+        argv=["x"],
+        host_mem_available=GIB,
+        host_mem_total=2 * GIB,
+        image=None,
+        commit_id=None,
+    )
+    ledger.end_attempt(
+        attempt, verdict="succeeded", reason=f"exit 0 in {run_id}", fields={"exit_code": 0}, timeline=[]
+    )
     ledger.end_run(run_id, "succeeded")
     ledger.close()
 
 
 def _eyrie_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
 
 
 def test_without_run_dir_the_most_recent_run_under_runs_is_read_and_named(tmp_path):

@@ -41,8 +41,10 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (run_dir / LEDGER_NAME).exists():
@@ -90,8 +92,12 @@ def test_follow_in_a_terminal_redraws_and_leaves_the_final_table(tmp_path):
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
     follower = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "status", "--follow", "--run-dir", str(run_dir)],
-        cwd=REPO, stdin=secondary, stdout=secondary, stderr=secondary, env=env,
-    )  # fmt: skip
+        cwd=REPO,
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
     os.close(secondary)
     screen = b""
     try:
@@ -127,12 +133,15 @@ def _open_run(run_dir: Path, *, executor: str = "local", last_seen_ago: float) -
     """A run that never ended, whose runner (by its pid, this very process: a pid reused) was last
     seen ``last_seen_ago`` seconds ago, on another host."""
     ledger = Ledger(run_dir)
-    ledger.start_run("r1", "p.yaml", executor, ["prep"], 2**30, "MemAvailable",
-                     host_sampled=executor != "slurm")  # fmt: skip
+    ledger.start_run(
+        "r1", "p.yaml", executor, ["prep"], 2**30, "MemAvailable", host_sampled=executor != "slurm"
+    )
     ledger.close()
     db = sqlite3.connect(run_dir / LEDGER_NAME)
-    db.execute("UPDATE runs SET orchestrator_pid = ?, host = 'node-elsewhere', started_at = ?",
-               (os.getpid(), time.time() - last_seen_ago))  # fmt: skip
+    db.execute(
+        "UPDATE runs SET orchestrator_pid = ?, host = 'node-elsewhere', started_at = ?",
+        (os.getpid(), time.time() - last_seen_ago),
+    )
     db.commit()
     db.close()
 
@@ -151,9 +160,20 @@ def test_follow_ends_when_the_runner_is_gone_whatever_its_pid_has_become(tmp_pat
         r"sign of life 4\d\.\ds ago; the run did not end cleanly: rerun to resume",
         view["note"],
     ), view["note"]
-    assert view["steps"] == [{"step": "prep", "state": "pending", "attempt": None, "verdict": None,
-                              "usage_bytes": None, "limit_bytes": None, "peak_bytes": None, "records": None,
-                              "elapsed_s": None, "last_line": None}]  # fmt: skip
+    assert view["steps"] == [
+        {
+            "step": "prep",
+            "state": "pending",
+            "attempt": None,
+            "verdict": None,
+            "usage_bytes": None,
+            "limit_bytes": None,
+            "peak_bytes": None,
+            "records": None,
+            "elapsed_s": None,
+            "last_line": None,
+        }
+    ]
 
 
 def test_follow_goes_on_while_a_runner_that_samples_nothing_beats(tmp_path):
@@ -162,8 +182,11 @@ def test_follow_goes_on_while_a_runner_that_samples_nothing_beats(tmp_path):
     sampler = HostSampler(ledger, "r1", None).start()  # as a Slurm runner's: heartbeats only
     follower = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "status", "--follow", "--json", "--run-dir", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         live = [follower.stdout.readline() for _ in range(3)]  # three seconds of a live run
     finally:

@@ -88,8 +88,12 @@ def test_status_after_a_resumed_run_shows_the_latest_run_one_row_a_step_with_its
 def test_status_all_keeps_the_history(resumed):
     out = eyrie("status", "--all", "--run-dir", str(resumed), check=True).stdout
     shown = [(cells[0], cells[1], cells[2]) for cells in _rows(out)]
-    assert shown == [("writer", "1", "succeeded"), ("after", "1", "failed"), ("after", "2", "failed"),
-                     ("writer", "-", "skipped")], out  # fmt: skip
+    assert shown == [
+        ("writer", "1", "succeeded"),
+        ("after", "1", "failed"),
+        ("after", "2", "failed"),
+        ("writer", "-", "skipped"),
+    ], out
 
 
 def test_status_all_and_follow_are_refused_together_in_one_line(resumed):

@@ -245,15 +245,19 @@ def check_lines(tmp_path, text: str) -> list[str]:
 
 def test_a_size_without_its_unit_is_refused_not_read_as_bytes(tmp_path):
     lines = check_lines(tmp_path, HOG.replace("64MiB", "256"))
-    assert lines == [f"{tmp_path / 'p.yaml'}:4: steps[0] (hog).memory: 256: a size needs a unit: write e.g. "
-                     "256MiB or 256GiB"]  # fmt: skip
+    assert lines == [
+        f"{tmp_path / 'p.yaml'}:4: steps[0] (hog).memory: 256: a size needs a unit: write e.g. "
+        "256MiB or 256GiB"
+    ]
 
 
 def test_a_misspelled_need_is_answered_with_the_step_it_is_nearest(tmp_path):
     after = "  - name: after-hog\n    command: [true]\n    memory: 64MiB\n    needs: [hgo]\n"
     lines = check_lines(tmp_path, HOG + after)
-    assert lines == [f"{tmp_path / 'p.yaml'}:8: steps[1] (after-hog).needs: unknown step 'hgo'; did you mean "
-                     "'hog'? (steps: hog, after-hog)"]  # fmt: skip
+    assert lines == [
+        f"{tmp_path / 'p.yaml'}:8: steps[1] (after-hog).needs: unknown step 'hgo'; did you mean "
+        "'hog'? (steps: hog, after-hog)"
+    ]
 
 
 def test_bad_indentation_is_said_at_its_line_and_column_with_the_line_shown(tmp_path):

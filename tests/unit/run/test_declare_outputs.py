@@ -22,8 +22,12 @@ def eyrie_manifest(folder: Path, *outputs: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "manifest", *outputs],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_runners_step_dir_name_and_fingerprint_go_in_the_manifest(tmp_path, monkeypatch):

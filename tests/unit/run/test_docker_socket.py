@@ -36,12 +36,27 @@ def folder():
 
 def _eyrie_run_as_nobody(folder: Path, docker_host: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-         sys.executable, "-m", "pipeline.cli", "run", str(folder / "pipeline.yaml"),
-         "--run-dir", str(folder / "run"), "--executor", "docker"],
-        capture_output=True, text=True, timeout=120, cwd="/",
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            str(folder / "pipeline.yaml"),
+            "--run-dir",
+            str(folder / "run"),
+            "--executor",
+            "docker",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
         env={**os.environ, "DOCKER_HOST": docker_host, "HOME": "/nonexistent", "COLUMNS": "400"},
-    )  # fmt: skip
+    )
 
 
 def test_a_socket_this_user_may_not_use_is_named_with_its_group_and_the_fix(folder):
@@ -66,5 +81,6 @@ def test_a_missing_socket_still_says_to_start_the_engine_or_mount_it(folder):
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
     assert line.startswith("error: cannot reach the Docker engine (")
-    assert line.endswith("start dockerd, or mount its socket (/var/run/docker.sock) into this container, "
-                         "or set DOCKER_HOST")  # fmt: skip
+    assert line.endswith(
+        "start dockerd, or mount its socket (/var/run/docker.sock) into this container, or set DOCKER_HOST"
+    )

@@ -85,10 +85,19 @@ class FakeClient:
 def launch(tmp_path: Path) -> Launch:
     run_dir = tmp_path / "run"
     logs = run_dir / ".eyrie" / "logs" / "train"
-    return Launch(run_id="r1", step="train", attempt=1, argv=["eyrie", "train"], cwd=run_dir / "train",
-                  env={RUN_DIR_ENV: str(run_dir)}, limit_bytes=2**30,
-                  stdout_path=logs / "attempt-1.stdout.log", stderr_path=logs / "attempt-1.stderr.log",
-                  gpus=1, options=docker_executor.DockerOptions(image="eyrie-pipeline:test"))  # fmt: skip
+    return Launch(
+        run_id="r1",
+        step="train",
+        attempt=1,
+        argv=["eyrie", "train"],
+        cwd=run_dir / "train",
+        env={RUN_DIR_ENV: str(run_dir)},
+        limit_bytes=2**30,
+        stdout_path=logs / "attempt-1.stdout.log",
+        stderr_path=logs / "attempt-1.stderr.log",
+        gpus=1,
+        options=docker_executor.DockerOptions(image="eyrie-pipeline:test"),
+    )
 
 
 def test_a_container_the_engine_cannot_start_is_one_error_and_is_removed(tmp_path):

@@ -70,8 +70,9 @@ steps:
 """,
         )
     )
-    assert spec.executor_options("slurm", "prep") == SlurmOptions(partition="gpu", account="ml",
-                                                                  sbatch_args=["--qos=high"])  # fmt: skip
+    assert spec.executor_options("slurm", "prep") == SlurmOptions(
+        partition="gpu", account="ml", sbatch_args=["--qos=high"]
+    )
     assert spec.executor_options("slurm", "train") == SlurmOptions(
         partition="long", account="ml", nodes=2, sbatch_args=["--qos=high"]
     )
@@ -109,10 +110,19 @@ def test_an_unknown_executor_is_one_line_before_the_file_is_read(tmp_path):
 
 def launch(tmp_path: Path, options: SlurmOptions, **fields) -> Launch:
     logs = tmp_path / ".eyrie" / "logs" / "train"
-    return Launch(run_id="r1", step="train", attempt=2, argv=["eyrie", "train", "--data", "a b"],
-                  cwd=tmp_path / "train", env=fields.pop("env", {}), limit_bytes=3 * 2**30 + 1,
-                  stdout_path=logs / "attempt-2.stdout.log", stderr_path=logs / "attempt-2.stderr.log",
-                  options=options, **fields)  # fmt: skip
+    return Launch(
+        run_id="r1",
+        step="train",
+        attempt=2,
+        argv=["eyrie", "train", "--data", "a b"],
+        cwd=tmp_path / "train",
+        env=fields.pop("env", {}),
+        limit_bytes=3 * 2**30 + 1,
+        stdout_path=logs / "attempt-2.stdout.log",
+        stderr_path=logs / "attempt-2.stderr.log",
+        options=options,
+        **fields,
+    )
 
 
 @pytest.fixture
@@ -149,11 +159,23 @@ def cluster(tmp_path, monkeypatch, attempts) -> FakeSlurm:
 def write_report(attempt_launch: Launch, **facts) -> None:
     path = slurm.report_path(attempt_launch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
-        "oom_kills_after": 0, "oom_at": None, "peak_bytes": 2**20, "anon_peak_bytes": 2**20, "timeline": [],
-        **facts,
-    }))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "exit_code": 0,
+                "signal": None,
+                "started_at": 1.0,
+                "ended_at": 2.0,
+                "oom_kills_before": 0,
+                "oom_kills_after": 0,
+                "oom_at": None,
+                "peak_bytes": 2**20,
+                "anon_peak_bytes": 2**20,
+                "timeline": [],
+                **facts,
+            }
+        )
+    )
 
 
 def later(seconds: float, action) -> threading.Thread:
@@ -175,9 +197,18 @@ def test_the_job_asks_for_the_steps_limit_gpus_time_partition_and_account(tmp_pa
 
 
 def test_the_job_gets_the_steps_variables_not_the_runners_secrets(tmp_path):
-    env = {"PATH": "/usr/bin", "HOME": "/home/me", "LC_ALL": "C.UTF-8", "EYRIE_RUN_DIR": "/shared/run",
-           "HF_TOKEN": "hf_secret", "OPENAI_API_KEY": "sk-secret", "AWS_SECRET_ACCESS_KEY": "secret",
-           "WANDB_API_KEY": "wandb", "TRAIN_NOTE": "set by the step", "SLURM_JOB_ID": "41"}  # fmt: skip
+    env = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/me",
+        "LC_ALL": "C.UTF-8",
+        "EYRIE_RUN_DIR": "/shared/run",
+        "HF_TOKEN": "hf_secret",
+        "OPENAI_API_KEY": "sk-secret",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "WANDB_API_KEY": "wandb",
+        "TRAIN_NOTE": "set by the step",
+        "SLURM_JOB_ID": "41",
+    }
     options = SlurmOptions(export=["WANDB_*"])
     argv = sbatch_argv(launch(tmp_path, options, env=env, step_env=frozenset({"TRAIN_NOTE"})), tmp_path / "j")
     (export,) = [a for a in argv if a.startswith("--export")]
@@ -198,8 +229,9 @@ def test_the_batch_script_wraps_the_step_and_uses_srun_when_it_asks_for_nodes(tm
 
 
 def test_slurms_view_of_a_job():
-    record = parse_job_record("JobId=7 JobName=eyrie-x JobState=OUT_OF_MEMORY Reason=OutOfMemory "
-                              "ExitCode=0:125 NodeList=gpu01")  # fmt: skip
+    record = parse_job_record(
+        "JobId=7 JobName=eyrie-x JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 NodeList=gpu01"
+    )
     assert (record["JobState"], record["ExitCode"]) == ("OUT_OF_MEMORY", "0:125")
     assert parse_exit_code("1:0") == (1, None)
     assert parse_exit_code("0:9") == (None, signal.SIGKILL)
@@ -208,16 +240,26 @@ def test_slurms_view_of_a_job():
 
 def test_several_nodes_reports_are_one_outcome():
     def report(node: int, exit_code, sig, ended_at, peak, kills):
-        return {"exit_code": exit_code, "signal": sig, "started_at": 10.0 + node, "ended_at": ended_at,
-                "oom_kills_before": 0, "oom_kills_after": kills, "oom_at": ended_at if kills else None,
-                "peak_bytes": peak, "anon_peak_bytes": peak // 2,
-                "timeline": [[1.0, peak, peak // 2]]}  # fmt: skip
+        return {
+            "exit_code": exit_code,
+            "signal": sig,
+            "started_at": 10.0 + node,
+            "ended_at": ended_at,
+            "oom_kills_before": 0,
+            "oom_kills_after": kills,
+            "oom_at": ended_at if kills else None,
+            "peak_bytes": peak,
+            "anon_peak_bytes": peak // 2,
+            "timeline": [[1.0, peak, peak // 2]],
+        }
 
-    merged = merge_reports([
-        report(0, None, signal.SIGKILL, 30.0, 5 * 2**30, 0),  # killed by srun after node 1 failed
-        report(1, None, signal.SIGKILL, 20.0, 8 * 2**30, 1),  # OOM-killed first
-        report(2, 0, None, 25.0, 2 * 2**30, 0),
-    ])  # fmt: skip
+    merged = merge_reports(
+        [
+            report(0, None, signal.SIGKILL, 30.0, 5 * 2**30, 0),  # killed by srun after node 1 failed
+            report(1, None, signal.SIGKILL, 20.0, 8 * 2**30, 1),  # OOM-killed first
+            report(2, 0, None, 25.0, 2 * 2**30, 0),
+        ]
+    )
     assert (merged["signal"], merged["oom_kills_after"]) == (signal.SIGKILL, 1)
     assert merged["peak_bytes"] == 8 * 2**30
     assert merged["oom_at"] == 20.0 and merged["started_at"] == 10.0 and merged["ended_at"] == 30.0
@@ -227,27 +269,48 @@ def test_several_nodes_reports_are_one_outcome():
 @pytest.mark.parametrize(
     ("slurm_says", "report", "verdict", "reason"),
     [
-        (("OUT_OF_MEMORY", "0:125", "scontrol"), None, Verdict.OOM_KILLED,
-         "decided from Slurm's state OUT_OF_MEMORY, ExitCode 0:125 for job 812 (scontrol; 1 of 1 in-job "
-         "report(s) missing)"),
-        (("TIMEOUT", "0:15", "sacct"), {"exit_code": None, "signal": signal.SIGTERM}, Verdict.TIMED_OUT,
-         "decided from Slurm's state TIMEOUT for job 812 (sacct) and the job's cgroup"),
+        (
+            ("OUT_OF_MEMORY", "0:125", "scontrol"),
+            None,
+            Verdict.OOM_KILLED,
+            "decided from Slurm's state OUT_OF_MEMORY, ExitCode 0:125 for job 812 (scontrol; 1 of 1 in-job "
+            "report(s) missing)",
+        ),
+        (
+            ("TIMEOUT", "0:15", "sacct"),
+            {"exit_code": None, "signal": signal.SIGTERM},
+            Verdict.TIMED_OUT,
+            "decided from Slurm's state TIMEOUT for job 812 (sacct) and the job's cgroup",
+        ),
         (("NODE_FAIL", "0:0", "scontrol"), None, Verdict.NODE_FAILED, "its node failed"),
         (None, None, Verdict.FAILED, "ended with its in-job report missing, and Slurm no longer knows it"),
         # Slurm ends a job OUT_OF_MEMORY when a child alone was killed: the report says what happened
-        (("OUT_OF_MEMORY", "0:125", "scontrol"), {"exit_code": 0, "signal": None, "oom_kills_after": 1},
-         Verdict.CHILD_OOM_KILLED, "the main process was not the one killed"),
+        (
+            ("OUT_OF_MEMORY", "0:125", "scontrol"),
+            {"exit_code": 0, "signal": None, "oom_kills_after": 1},
+            Verdict.CHILD_OOM_KILLED,
+            "the main process was not the one killed",
+        ),
     ],
-)  # fmt: skip
+)
 def test_slurms_final_state_says_who_stopped_a_job_and_stands_in_for_a_missing_report(
     tmp_path, monkeypatch, attempts, slurm_says, report, verdict, reason
 ):
     monkeypatch.setattr(slurm.controller, "final_state", lambda job_id, patience_s=None: slurm_says)
     attempt_launch = launch(tmp_path, SlurmOptions())
     if report is not None:
-        facts = {"exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
-                 "oom_kills_after": 0, "oom_at": None, "peak_bytes": 2**20, "anon_peak_bytes": 2**20,
-                 "timeline": []}  # fmt: skip
+        facts = {
+            "exit_code": 0,
+            "signal": None,
+            "started_at": 1.0,
+            "ended_at": 2.0,
+            "oom_kills_before": 0,
+            "oom_kills_after": 0,
+            "oom_at": None,
+            "peak_bytes": 2**20,
+            "anon_peak_bytes": 2**20,
+            "timeline": [],
+        }
         path = slurm.report_path(attempt_launch)
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({**facts, **report}))
@@ -392,15 +455,24 @@ def test_a_refused_submission_is_one_line_naming_the_step(tmp_path, cluster):
 
 @pytest.mark.parametrize(
     ("arg", "named"),
-    [("-N2", "-N"), ("-pgpu", "-p"), ("--mem-per-cpu=4G", "--mem-per-cpu"),
-     ("--mem-per-gpu=80G", "--mem-per-gpu"), ("--gpus=8", "--gpus"),
-     ("--gpus-per-node=4", "--gpus-per-node"), ("-G8", "-G"),
-     ("--part=gpu", "--part (short for --partition)"), ("--me=4G", "--me (short for --mem or --mem-per-cpu"),
-     ("--tim=60", "--tim (short for --time)")],
-)  # fmt: skip
+    [
+        ("-N2", "-N"),
+        ("-pgpu", "-p"),
+        ("--mem-per-cpu=4G", "--mem-per-cpu"),
+        ("--mem-per-gpu=80G", "--mem-per-gpu"),
+        ("--gpus=8", "--gpus"),
+        ("--gpus-per-node=4", "--gpus-per-node"),
+        ("-G8", "-G"),
+        ("--part=gpu", "--part (short for --partition)"),
+        ("--me=4G", "--me (short for --mem or --mem-per-cpu"),
+        ("--tim=60", "--tim (short for --time)"),
+    ],
+)
 def test_sbatch_args_that_would_set_what_eyrie_sets_are_refused_up_front(tmp_path, arg, named):
-    path = write(tmp_path, f"slurm: {{sbatch_args: [{arg}]}}\nsteps:\n  - name: a\n    command: [true]\n"
-                           "    memory: 64MiB\n")  # fmt: skip
+    path = write(
+        tmp_path,
+        f"slurm: {{sbatch_args: [{arg}]}}\nsteps:\n  - name: a\n    command: [true]\n    memory: 64MiB\n",
+    )
     with pytest.raises(PipelineError) as info:
         load_pipeline(path)
     assert f"{named}" in str(info.value) and "is set by eyrie" in str(info.value), str(info.value)
@@ -408,8 +480,18 @@ def test_sbatch_args_that_would_set_what_eyrie_sets_are_refused_up_front(tmp_pat
 
 
 def test_sbatch_args_eyrie_does_not_set_pass_through():
-    args = ["--qos=high", "--constraint=h100", "--begin=now+1hour", "--exclusive", "--mem-bind=local",
-            "--gres-flags=enforce-binding", "--time-min=30", "--nodelist=gpu01", "-q", "high"]  # fmt: skip
+    args = [
+        "--qos=high",
+        "--constraint=h100",
+        "--begin=now+1hour",
+        "--exclusive",
+        "--mem-bind=local",
+        "--gres-flags=enforce-binding",
+        "--time-min=30",
+        "--nodelist=gpu01",
+        "-q",
+        "high",
+    ]
     assert SlurmOptions(sbatch_args=args).sbatch_args == args
 
 
@@ -433,8 +515,14 @@ def test_the_hosts_gpus_are_the_nvidia_display_and_3d_controllers_on_its_pci_bus
 
 @pytest.mark.parametrize(
     ("gres", "gpus"),
-    [("gpu:8", 8), ("gpu:h200:4(S:0-1)", 4), ("gpu:a100:4(S:0-1),gpu:v100:2", 6), ("mps:100,gpu:2", 2),
-     ("(null)", 0), ("", 0)],
-)  # fmt: skip
+    [
+        ("gpu:8", 8),
+        ("gpu:h200:4(S:0-1)", 4),
+        ("gpu:a100:4(S:0-1),gpu:v100:2", 6),
+        ("mps:100,gpu:2", 2),
+        ("(null)", 0),
+        ("", 0),
+    ],
+)
 def test_a_nodes_gpus_are_read_from_its_gres_as_sinfo_shows_it(gres, gpus):
     assert slurm.controller.gres_gpus(gres) == gpus

@@ -78,10 +78,18 @@ def executor(monkeypatch) -> Iterator[grid.GridExecutor]:
 def launch(tmp_path: Path, *argv: str, lines: list[str] | None = None) -> Launch:
     logs = tmp_path / ".eyrie" / "logs" / "train"
     sink = None if lines is None else (lambda stream, line: lines.append(f"{stream}: {line}"))
-    return Launch(run_id="r1", step="train", attempt=1, argv=list(argv), cwd=tmp_path / "train",
-                  env={**os.environ, "FAKE_OOM_KILLS": str(tmp_path / "oom_kill")}, limit_bytes=2**30,
-                  stdout_path=logs / "attempt-1.stdout.log", stderr_path=logs / "attempt-1.stderr.log",
-                  on_line=sink)  # fmt: skip
+    return Launch(
+        run_id="r1",
+        step="train",
+        attempt=1,
+        argv=list(argv),
+        cwd=tmp_path / "train",
+        env={**os.environ, "FAKE_OOM_KILLS": str(tmp_path / "oom_kill")},
+        limit_bytes=2**30,
+        stdout_path=logs / "attempt-1.stdout.log",
+        stderr_path=logs / "attempt-1.stderr.log",
+        on_line=sink,
+    )
 
 
 def run(executor: grid.GridExecutor, attempt_launch: Launch) -> Outcome:

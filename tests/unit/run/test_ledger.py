@@ -18,9 +18,18 @@ def make_ledger(run_dir: Path) -> Ledger:
     ledger = Ledger(run_dir)
     ledger.start_run("r1", "p.yaml", "local", ["prep"], 2**30, "MemAvailable")
     attempt = ledger.begin_attempt(
-        run_id="r1", step="prep", attempt=1, executor="local", limit_bytes=2**26, limit_reason=None,
-        argv=["true"], host_mem_available=2**30, host_mem_total=2**31, image=None, commit_id=None,
-    )  # fmt: skip
+        run_id="r1",
+        step="prep",
+        attempt=1,
+        executor="local",
+        limit_bytes=2**26,
+        limit_reason=None,
+        argv=["true"],
+        host_mem_available=2**30,
+        host_mem_total=2**31,
+        image=None,
+        commit_id=None,
+    )
     ledger.end_attempt(attempt, verdict="succeeded", reason="exit 0", fields={"exit_code": 0}, timeline=[])
     return ledger
 
@@ -44,10 +53,25 @@ _READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift &
 
 def read_only_eyrie(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["unshare", "--mount", "sh", "-c", _READ_ONLY, "sh", str(run_dir),
-         sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            _READ_ONLY,
+            "sh",
+            str(run_dir),
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -82,15 +106,26 @@ def test_one_runs_attempts_are_read_alone_oldest_first(tmp_path):
     ledger.start_run("r2", "p.yaml", "local", ["prep", "train"], 2**30, "MemAvailable")
     for step, attempt in [("train", 1), ("prep", 2), ("train", 2)]:
         ledger.begin_attempt(
-            run_id="r2", step=step, attempt=attempt, executor="local", limit_bytes=2**26, limit_reason=None,
-            argv=["true"], host_mem_available=2**30, host_mem_total=2**31, image=None, commit_id=None,
-        )  # fmt: skip
+            run_id="r2",
+            step=step,
+            attempt=attempt,
+            executor="local",
+            limit_bytes=2**26,
+            limit_reason=None,
+            argv=["true"],
+            host_mem_available=2**30,
+            host_mem_total=2**31,
+            image=None,
+            commit_id=None,
+        )
     ledger.close()
     reader = Ledger(tmp_path, create=False)
     try:
         assert [(r.run_id, r.step, r.attempt) for r in reader.attempts_of("r2")] == [
-            ("r2", "train", 1), ("r2", "prep", 2), ("r2", "train", 2)
-        ]  # fmt: skip
+            ("r2", "train", 1),
+            ("r2", "prep", 2),
+            ("r2", "train", 2),
+        ]
         assert [(r.step, r.attempt) for r in reader.attempts_of("r1")] == [("prep", 1)]
         assert reader.attempts_of("r3") == []
         assert reader.run("r2")["steps"] == '["prep", "train"]' and reader.run("r3") is None

@@ -29,12 +29,22 @@ from tests.fakes.fake_slurm import FakeSlurm
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging
 
 
-def outcome(exit_code: int | None = 0, *, sig: int | None = None, oom_kills: int = 0,
-            stopped_by: str | None = None) -> Outcome:  # fmt: skip
+def outcome(
+    exit_code: int | None = 0, *, sig: int | None = None, oom_kills: int = 0, stopped_by: str | None = None
+) -> Outcome:
     now = time.time()
-    return Outcome(exit_code=exit_code, signal=sig, oom_kills_before=0, oom_kills_after=oom_kills,
-                   oom_at=None, peak_bytes=2**20, anon_peak_bytes=2**20, started_at=now, ended_at=now,
-                   stopped_by=stopped_by)  # fmt: skip
+    return Outcome(
+        exit_code=exit_code,
+        signal=sig,
+        oom_kills_before=0,
+        oom_kills_after=oom_kills,
+        oom_at=None,
+        peak_bytes=2**20,
+        anon_peak_bytes=2**20,
+        started_at=now,
+        ended_at=now,
+        stopped_by=stopped_by,
+    )
 
 
 class FakeAttempt:
@@ -77,8 +87,12 @@ class FakeExecutor:
     detached = False
     host_memory = None  # its steps run nowhere: the runner writes heartbeats only
 
-    def __init__(self, behaviours: dict[str, Behaviour], resumable: dict[str, Outcome] | None = None,
-                 detached: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        behaviours: dict[str, Behaviour],
+        resumable: dict[str, Outcome] | None = None,
+        detached: bool = False,
+    ) -> None:
         self.detached = detached
         self.behaviours = behaviours
         self.attempts: list[FakeAttempt] = []
@@ -134,8 +148,9 @@ def write_pipeline(tmp_path: Path, steps: list[dict]) -> tuple[PipelineSpec, Pat
     return PipelineSpec.model_validate({"steps": steps}), path
 
 
-def run(tmp_path: Path, steps: list[dict], executor: FakeExecutor,
-        reporter: QuietReporter | None = None) -> RunResult:  # fmt: skip
+def run(
+    tmp_path: Path, steps: list[dict], executor: FakeExecutor, reporter: QuietReporter | None = None
+) -> RunResult:
     spec, path = write_pipeline(tmp_path, steps)
     return Orchestrator(spec, path, tmp_path / "run", executor, reporter or QuietReporter()).run()
 
@@ -234,8 +249,10 @@ def test_an_error_in_the_run_stops_its_steps_and_ends_the_run(tmp_path):
     assert run_row["state"] == "failed"
     states = ledger.step_states(run_row["run_id"])
     assert {name: state["state"] for name, state in states.items()} == {
-        "serve": "cancelled", "prep": "done", "train": "cancelled",
-    }  # fmt: skip
+        "serve": "cancelled",
+        "prep": "done",
+        "train": "cancelled",
+    }
     assert "the run stopped on an error" in states["train"]["detail"]
 
 
@@ -307,16 +324,32 @@ def test_a_step_preempted_again_and_again_ends_failed(tmp_path):
     assert [a.verdict for a in ledger_of(tmp_path).attempts()] == ["preempted"] * 4  # 1 + TRANSIENT_RETRIES
 
 
-def leave_running(tmp_path: Path, steps: list[dict], where: str, argv: list[str], executor: str = "fake",
-                  host: str | None = None) -> None:  # fmt: skip
+def leave_running(
+    tmp_path: Path,
+    steps: list[dict],
+    where: str,
+    argv: list[str],
+    executor: str = "fake",
+    host: str | None = None,
+) -> None:
     """What a runner killed with SIGKILL leaves: its run (on ``host``) and one attempt marked running."""
     spec, path = write_pipeline(tmp_path, steps)
     ledger = Ledger(tmp_path / "run")
     with mock.patch("socket.gethostname", return_value=host or socket.gethostname()):
         ledger.start_run("dead-run", str(path), executor, [s["name"] for s in steps], 2**34, "test")
-    attempt = ledger.begin_attempt(run_id="dead-run", step="train", attempt=1, executor=executor,
-                                   limit_bytes=2**26, limit_reason=None, argv=argv, host_mem_available=0,
-                                   host_mem_total=0, image=None, commit_id=None)  # fmt: skip
+    attempt = ledger.begin_attempt(
+        run_id="dead-run",
+        step="train",
+        attempt=1,
+        executor=executor,
+        limit_bytes=2**26,
+        limit_reason=None,
+        argv=argv,
+        host_mem_available=0,
+        host_mem_total=0,
+        image=None,
+        commit_id=None,
+    )
     ledger.attempt_started(attempt, None, where)
     ledger.close()
 
@@ -328,8 +361,9 @@ def test_an_attempt_a_killed_runner_left_is_waited_for_not_started_again(tmp_pat
     assert run(tmp_path, steps, executor).state == "succeeded"
     attempts = ledger_of(tmp_path).attempts()
     assert sorted((a.step, a.attempt, a.verdict, a.location) for a in attempts) == [
-        ("after", 1, "succeeded", "fake:after-1"), ("train", 1, "succeeded", "job 41"),
-    ]  # fmt: skip
+        ("after", 1, "succeeded", "fake:after-1"),
+        ("train", 1, "succeeded", "job 41"),
+    ]
     assert executor.started("train") == [] and executor.reaped == []
 
 
@@ -375,8 +409,13 @@ def test_a_submission_without_answer_waits_and_is_tried_again_while_the_rest_run
     monkeypatch.setattr(orchestrator, "SUBMIT_RETRY_S", 0.3)
     steps = [{"name": "serve"}, {"name": "train"}]
     serving = []
-    executor = FakeExecutor({"serve": lambda launch: serving.append(FakeAttempt(launch, None)) or serving[-1],
-                             "train": unanswered_once(ends(outcome(0)))}, detached=True)  # fmt: skip
+    executor = FakeExecutor(
+        {
+            "serve": lambda launch: serving.append(FakeAttempt(launch, None)) or serving[-1],
+            "train": unanswered_once(ends(outcome(0))),
+        },
+        detached=True,
+    )
     runner = threading.Thread(target=lambda: run(tmp_path, steps, executor))
     runner.start()
     deadline = time.monotonic() + 10
@@ -450,11 +489,22 @@ def test_a_slurm_job_left_running_is_waited_for_even_by_a_run_of_another_executo
 
     def job_ends() -> None:
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps({
-            "exit_code": 0, "signal": None, "started_at": 1.0, "ended_at": 2.0, "oom_kills_before": 0,
-            "oom_kills_after": 0, "oom_at": None, "peak_bytes": 2**20, "anon_peak_bytes": 2**20,
-            "timeline": [],
-        }))  # fmt: skip
+        report.write_text(
+            json.dumps(
+                {
+                    "exit_code": 0,
+                    "signal": None,
+                    "started_at": 1.0,
+                    "ended_at": 2.0,
+                    "oom_kills_before": 0,
+                    "oom_kills_after": 0,
+                    "oom_at": None,
+                    "peak_bytes": 2**20,
+                    "anon_peak_bytes": 2**20,
+                    "timeline": [],
+                }
+            )
+        )
         with fake_slurm.changing() as cluster:
             cluster["jobs"]["812"]["state"] = "COMPLETED"
 
@@ -463,8 +513,9 @@ def test_a_slurm_job_left_running_is_waited_for_even_by_a_run_of_another_executo
     assert run(tmp_path, steps, executor).state == "succeeded"
     attempts = ledger_of(tmp_path).attempts()
     assert [(a.step, a.verdict, a.location) for a in attempts] == [
-        ("train", "succeeded", "slurm job 812"), ("after", "succeeded", "fake:after-1"),
-    ]  # fmt: skip
+        ("train", "succeeded", "slurm job 812"),
+        ("after", "succeeded", "fake:after-1"),
+    ]
     assert executor.started("train") == [] and fake_slurm.calls("scancel") == []
 
 
@@ -478,8 +529,10 @@ def test_a_slurm_job_left_running_where_slurm_cannot_be_reached_is_refused_in_on
     executor = FakeExecutor({"train": ends(outcome(0))})
     with pytest.raises(ExecutorError) as info:
         run(tmp_path, steps, executor)
-    assert "train attempt 1 of an earlier run (slurm job 812) may still run, and cannot be checked: the " \
-           "Slurm controller did not answer squeue" in str(info.value)  # fmt: skip
+    assert (
+        "train attempt 1 of an earlier run (slurm job 812) may still run, and cannot be checked: the "
+        "Slurm controller did not answer squeue" in str(info.value)
+    )
     assert "\n" not in str(info.value)
     assert executor.attempts == [] and executor.reaped == [] and fake_slurm.calls("scancel") == []
     assert len(ledger_of(tmp_path).running_attempts()) == 1

@@ -140,8 +140,11 @@ def test_a_replica_killed_while_in_use_is_started_again_on_its_url_and_its_user_
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     asked = run_dir / "ask" / "asked"
     deadline = time.monotonic() + 60
     while not asked.exists() and time.monotonic() < deadline and runner.poll() is None:
@@ -290,8 +293,10 @@ def test_a_local_replica_a_dead_runner_left_is_reaped_by_the_rerun_which_starts_
     run_dir = tmp_path / "run"
     runner = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (run_dir.exists() and "ask" in attempts_or_none(run_dir)):
         time.sleep(0.2)
@@ -338,8 +343,11 @@ def test_a_service_given_a_url_is_an_external_server_nothing_starts_and_its_user
     atomic_write_text(service_urls_path(tmp_path / "run", "web"), "http://127.0.0.1:9\n")
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-dir", str(tmp_path / "run")],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "TEST_SERVER_URL": "http://elsewhere:8000/"},
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TEST_SERVER_URL": "http://elsewhere:8000/"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (
         tmp_path / "run" / "ask" / "urls.txt"

@@ -21,8 +21,9 @@ def test_manifest_round_trip_and_tamper_detection(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "a.parquet").write_bytes(b"PAR1")
-    manifest = write_manifest(tmp_path, ["prompts.jsonl", "shards"], records={"shards": 7},
-                              stats={"accepted": 2}, fingerprint="f00")  # fmt: skip
+    manifest = write_manifest(
+        tmp_path, ["prompts.jsonl", "shards"], records={"shards": 7}, stats={"accepted": 2}, fingerprint="f00"
+    )
     assert manifest.outputs["prompts.jsonl"]["."].records == 2
     assert manifest.records() == 9
     assert read_manifest(tmp_path).fingerprint == "f00"

@@ -28,7 +28,7 @@ def test_anonymous_memory_at_the_limit_reading_pages_back_in_is_thrashing_after_
         [
             (t, MemorySample(total=LIMIT, anon=LIMIT - 10 * MiB, file=10 * MiB, major_faults=int(70 * t)))
             for t in seconds(THRASH_S + 1)
-        ]  # fmt: skip
+        ]
     )
     assert all(evidence is None for evidence in seen[: int(THRASH_S)])
     evidence = seen[int(THRASH_S)]
@@ -44,7 +44,7 @@ def test_a_limit_full_of_page_cache_is_not_thrashing_however_much_it_reads():
         [
             (t, MemorySample(total=LIMIT, anon=300 * MiB, file=LIMIT - 300 * MiB, major_faults=int(5000 * t)))
             for t in seconds(3 * THRASH_S)
-        ]  # fmt: skip
+        ]
     )
     assert seen == [None] * len(seen)
 
@@ -54,7 +54,7 @@ def test_a_step_holding_steady_at_its_limit_without_reading_back_is_not_thrashin
         [
             (t, MemorySample(total=LIMIT, anon=LIMIT - MiB, file=MiB, major_faults=100 + int(t // 10)))
             for t in seconds(3 * THRASH_S)
-        ]  # fmt: skip
+        ]
     )
     assert seen == [None] * len(seen)
 
@@ -74,9 +74,17 @@ def test_without_a_limit_nothing_is_thrashing():
 
 def test_a_runners_thrash_kill_is_an_oom_kill_that_names_its_evidence():
     outcome = Outcome(
-        exit_code=None, signal=9, oom_kills_before=0, oom_kills_after=0, oom_at=None, peak_bytes=LIMIT,
-        anon_peak_bytes=LIMIT, started_at=0.0, ended_at=30.0, thrash="its anonymous memory held …",
-    )  # fmt: skip
+        exit_code=None,
+        signal=9,
+        oom_kills_before=0,
+        oom_kills_after=0,
+        oom_at=None,
+        peak_bytes=LIMIT,
+        anon_peak_bytes=LIMIT,
+        started_at=0.0,
+        ended_at=30.0,
+        thrash="its anonymous memory held …",
+    )
     decision = decide(outcome, False, "no result")
     assert decision.verdict is Verdict.OOM_KILLED
     assert decision.reason == (

@@ -9,9 +9,19 @@ from pipeline.run.verdict import Verdict, decide
 
 
 def outcome(exit_code=None, sig=None, kills=0, stopped_by=None, stderr=()):
-    return Outcome(exit_code=exit_code, signal=sig, oom_kills_before=5, oom_kills_after=5 + kills,
-                   oom_at=None, peak_bytes=1, anon_peak_bytes=1, started_at=0, ended_at=1,
-                   stopped_by=stopped_by, stderr_tail=list(stderr))  # fmt: skip
+    return Outcome(
+        exit_code=exit_code,
+        signal=sig,
+        oom_kills_before=5,
+        oom_kills_after=5 + kills,
+        oom_at=None,
+        peak_bytes=1,
+        anon_peak_bytes=1,
+        started_at=0,
+        ended_at=1,
+        stopped_by=stopped_by,
+        stderr_tail=list(stderr),
+    )
 
 
 @pytest.mark.parametrize(
@@ -28,13 +38,16 @@ def outcome(exit_code=None, sig=None, kills=0, stopped_by=None, stderr=()):
         (outcome(sig=signal.SIGABRT), True, Verdict.COMPLETED_THEN_CRASHED),
         (outcome(sig=signal.SIGSEGV), False, Verdict.CRASHED),
         (outcome(1, stderr=["Traceback", "MemoryError"]), False, Verdict.MEMORY_ERROR),
-        (outcome(sig=signal.SIGABRT, stderr=["terminate called after throwing 'std::bad_alloc'"]),
-         False, Verdict.MEMORY_ERROR),
+        (
+            outcome(sig=signal.SIGABRT, stderr=["terminate called after throwing 'std::bad_alloc'"]),
+            False,
+            Verdict.MEMORY_ERROR,
+        ),
         (outcome(1, stderr=["ValueError: bad row"]), False, Verdict.FAILED),
         (outcome(sig=signal.SIGKILL, kills=1, stopped_by="timeout"), False, Verdict.TIMED_OUT),
         (outcome(sig=signal.SIGTERM, stopped_by="cancel"), False, Verdict.CANCELLED),
     ],
-)  # fmt: skip
+)
 def test_verdicts(evidence, complete, expected):
     decision = decide(evidence, complete, "manifest matches the files" if complete else "no manifest")
     assert decision.verdict == expected
@@ -70,7 +83,13 @@ def test_gpu_out_of_memory_is_failed_not_a_host_memory_error(line):
 
 def test_the_evidence_line_skips_frames_and_blank_lines():
     # typer (rich) prints a usage error in a box: the message is inside it, not its bottom edge.
-    tail = ["Usage: eyrie tokenize [OPTIONS]", "╭─ Error ─────────────────────╮",
-            "│ Missing option '--tokenizer'. │", "╰─────────────────────────────╯", "", "  "]  # fmt: skip
+    tail = [
+        "Usage: eyrie tokenize [OPTIONS]",
+        "╭─ Error ─────────────────────╮",
+        "│ Missing option '--tokenizer'. │",
+        "╰─────────────────────────────╯",
+        "",
+        "  ",
+    ]
     decision = decide(outcome(2, stderr=tail), False, "no manifest")
     assert decision.reason == "the main process exited with 2: Missing option '--tokenizer'."

@@ -71,8 +71,11 @@ def test_what_cannot_be_served_is_one_line(args, says):
 def _docs_glm5_settings() -> dict[str, str]:
     """The settings of the block that runs the real job on GLM-5-NVFP4 (docs/gpu-host.md), as its shell
     reads them."""
-    (block,) = [b for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
-                if "GLM-5-NVFP4" in b and "export EYRIE_TARGET_MODEL=" in b]  # fmt: skip
+    (block,) = [
+        b
+        for b in re.findall(r"^```[^\n]*\n(.*?)^```", docs_page("gpu-host"), re.S | re.M)
+        if "GLM-5-NVFP4" in b and "export EYRIE_TARGET_MODEL=" in b
+    ]
     return {
         name: shlex.split(value)[0] for name, value in re.findall(r'^export (\w+)=("[^"]*"|\S+)', block, re.M)
     }
@@ -141,8 +144,9 @@ def test_composes_sglang_service_appends_the_setting_split_at_spaces(tmp_path):
     entrypoint = [arg.replace("$$", "$") for arg in sglang["entrypoint"]]
     setting = "--quantization modelopt_fp4  --kv-cache-dtype bf16 --served-model-name glm*"
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "EYRIE_SGLANG_ARGS": setting}
-    done = subprocess.run([*entrypoint, "--model-path", "m"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, check=True)  # fmt: skip
+    done = subprocess.run(
+        [*entrypoint, "--model-path", "m"], capture_output=True, text=True, env=env, cwd=tmp_path, check=True
+    )
     argv = [sys.executable, *done.stdout.splitlines()]
     assert argv[-6:] == setting.split()
     args = parse(argv)

@@ -12,9 +12,13 @@ from pipeline.steps.train import checkpoint as ckpt
 
 def _draft() -> Eagle3Draft:
     target = LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return Eagle3Draft(draft_config(target, 64, [1, 2, 3]))
 
 

@@ -33,14 +33,29 @@ def test_the_release_loads_without_its_remote_code():
 def test_its_language_model_is_deepseek_v3_shaped():
     text = AutoConfig.from_pretrained(KIMI_K25_RELEASE).text_config
     shape = {
-        "num_hidden_layers": 61, "first_k_dense_replace": 1, "hidden_size": 7168,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
-        "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
-        "max_position_embeddings": 262144, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 1,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "vocab_size": 163840,
+        "max_position_embeddings": 262144,
+        "routed_scaling_factor": 2.827,
+        "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-    }  # fmt: skip
+    }
     assert {name: getattr(text, name) for name in shape} == shape
     rope = text.rope_parameters
     assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("yarn", 64.0, 50000.0)
@@ -57,8 +72,11 @@ def test_its_routed_experts_are_int4_in_groups_of_32():
     assert (weights["strategy"], weights["group_size"]) == ("group", 32)
     # Every Linear but these: attention, shared experts, the dense layer's MLP and the lm_head stay bf16.
     assert quantization["ignore"] == [
-        "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"
-    ]  # fmt: skip
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    ]
 
 
 def test_the_planner_accepts_kimi_k25_on_the_seeds_host_sharded_and_offline():

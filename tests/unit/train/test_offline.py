@@ -41,10 +41,16 @@ def target_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("offline") / "target"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -145,11 +151,33 @@ def test_offline_is_one_pipeline_step(target_dir, tmp_path):
     step = tmp_path / "step"
     step.mkdir()
     argv = [
-        sys.executable, "-m", "pipeline.cli", "train", "--data", str(tmp_path / "shards"),
-        "--target", str(target_dir), "--target-placement", "offline", "--draft-vocab-size", "64",
-        "--ttt-steps", "3", "--batch-size", "2", "--max-length", "48", "--max-steps", "6",
-        "--eval-prompts", "2", "--eval-max-new-tokens", "6", "--threads", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "train",
+        "--data",
+        str(tmp_path / "shards"),
+        "--target",
+        str(target_dir),
+        "--target-placement",
+        "offline",
+        "--draft-vocab-size",
+        "64",
+        "--ttt-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--max-length",
+        "48",
+        "--max-steps",
+        "6",
+        "--eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+    ]
     env = {**os.environ, "EYRIE_STEP_DIR": str(step), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, cwd=step, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -205,10 +233,16 @@ def wide_run(tmp_path):
     target = tmp_path / "wide-target"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=16,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(target)
     generator = torch.Generator().manual_seed(2)
     rows = {"input_ids": [], "loss_mask": []}
@@ -219,9 +253,17 @@ def wide_run(tmp_path):
     (tmp_path / "shards").mkdir()
     pq.write_table(pa.table(rows), tmp_path / "shards" / "shard-00000.parquet")
     cfg = TrainConfig(
-        data=tmp_path / "shards", target=target, out_dir=tmp_path / "out", target_placement="offline",
-        draft_vocab_size=64, ttt_steps=2, batch_size=2, max_length=32, threads=1, heldout_fraction=0.1,
-    )  # fmt: skip
+        data=tmp_path / "shards",
+        target=target,
+        out_dir=tmp_path / "out",
+        target_placement="offline",
+        draft_vocab_size=64,
+        ttt_steps=2,
+        batch_size=2,
+        max_length=32,
+        threads=1,
+        heldout_fraction=0.1,
+    )
     whole = prepare(cfg, 1, [Device("cpu", 1 << 40)])
     training = whole.plan.shares[0].planned
     target_alone = sum(share.planned for share in whole.plan.features.shares)

@@ -27,20 +27,44 @@ DRAFT_VOCAB = 32000
 
 # Shapes as their published config.json files give them.
 LLAMA_8B = LlamaConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-)  # fmt: skip
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
 LLAMA_70B = LlamaConfig(
-    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-    num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
-)  # fmt: skip
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
 # A DeepSeek-V3-style mixture of experts (MLA, one dense layer, shared + routed experts), 16B total.
 SMALL_MOE = DeepseekV3Config(
-    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6,
-    n_shared_experts=2, n_group=1, topk_group=1, num_attention_heads=16, num_key_value_heads=16,
-    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-)  # fmt: skip
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    first_k_dense_replace=1,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
 
 
 def units_of(config):
@@ -204,9 +228,13 @@ def test_without_gpus_auto_says_what_it_picked_and_why():
 
 
 SMALL_TARGET = LlamaConfig(
-    vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=4,
-)  # fmt: skip
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
 
 
 def training_step(length: int, steps: int, recompute: bool, batch: int = 1, loss_chunk: int = 512):
@@ -256,9 +284,14 @@ def test_a_row_twice_as_long_takes_at_most_2_1_times_the_memory():
 
 def test_a_tied_lm_head_goes_with_the_embedding_and_offline_holds_its_copy():
     tied = LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    )
     units = units_of(tied)
     assert [u.module for u in units[:3]] == ["model.embed_tokens", "lm_head", "model.layers.0"]
     assert sum(u.weights for u in units) == parameters_bytes(tied)  # the shared weight counted once

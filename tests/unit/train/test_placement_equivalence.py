@@ -39,22 +39,44 @@ TARGETS = {
     "dense": (
         LlamaForCausalLM,
         LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            eos_token_id=1, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            eos_token_id=1,
+            pad_token_id=0,
         ),
     ),
     "moe": (
         DeepseekV3ForCausalLM,
         DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-            num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, n_group=2, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
-            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-            max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=8,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            max_position_embeddings=256,
+            eos_token_id=1,
+            pad_token_id=0,
         ),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +101,21 @@ def _target(tmp_path, kind: str):
 
 def _settings(data, target, out, placement: str) -> TrainConfig:
     return TrainConfig(
-        data=data, target=target, out_dir=out, target_placement=placement, draft_vocab_size=64, ttt_steps=3,
-        batch_size=2, max_length=48, max_steps=8, checkpoint_every=4, log_every=4, lr=1e-3, threads=1,
+        data=data,
+        target=target,
+        out_dir=out,
+        target_placement=placement,
+        draft_vocab_size=64,
+        ttt_steps=3,
+        batch_size=2,
+        max_length=48,
+        max_steps=8,
+        checkpoint_every=4,
+        log_every=4,
+        lr=1e-3,
+        threads=1,
         heldout_fraction=0.1,
-    )  # fmt: skip
+    )
 
 
 def _two_devices(cfg: TrainConfig) -> list[Device]:

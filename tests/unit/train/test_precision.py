@@ -75,10 +75,16 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("precision")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "target")
     generator = torch.Generator().manual_seed(1)
     ids = [torch.randint(2, 96, (20 + i % 8,), generator=generator).tolist() for i in range(24)]
@@ -90,10 +96,20 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 def _config(tiny: dict[str, Path], out: str, **update) -> TrainConfig:
     return TrainConfig(
-        data=tiny["data"], target=tiny["target"], out_dir=tiny["root"] / out, draft_vocab_size=48,
-        ttt_steps=2, batch_size=2, max_steps=8, checkpoint_every=4, log_every=4, lr=1e-3, threads=1,
-        heldout_fraction=0.1, **update,
-    )  # fmt: skip
+        data=tiny["data"],
+        target=tiny["target"],
+        out_dir=tiny["root"] / out,
+        draft_vocab_size=48,
+        ttt_steps=2,
+        batch_size=2,
+        max_steps=8,
+        checkpoint_every=4,
+        log_every=4,
+        lr=1e-3,
+        threads=1,
+        heldout_fraction=0.1,
+        **update,
+    )
 
 
 def _weights(result: dict) -> dict[str, torch.Tensor]:

@@ -23,9 +23,15 @@ def _evaluate(cfg: TrainConfig, prompts: int, max_new_tokens: int) -> tuple[dict
     assert len(heldout) >= 8, "too few held-out rows to measure anything"
     source = OnlineTarget(target, result["summary"]["layer_ids"], draft.d2t, draft.t2d)
     simulated = simulated_acceptance(
-        source, draft, heldout, cfg.ttt_steps, 0, batch_size=cfg.batch_size, loss_chunk=cfg.loss_chunk,
+        source,
+        draft,
+        heldout,
+        cfg.ttt_steps,
+        0,
+        batch_size=cfg.batch_size,
+        loss_chunk=cfg.loss_chunk,
         precision=result["summary"]["precision"],
-    )  # fmt: skip
+    )
     real = real_acceptance(
         target, draft, heldout[:prompts], cfg.ttt_steps, max_new_tokens, eos_ids_of(target)
     )
@@ -48,10 +54,16 @@ def random_target_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("acceptance")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for layer in target.model.layers:
@@ -69,10 +81,19 @@ def random_target_run(tmp_path_factory):
     (root / "shards").mkdir()
     pq.write_table(pa.table(rows), root / "shards" / "shard-00000.parquet")
     return TrainConfig(
-        data=root / "shards", target=root / "target", out_dir=root / "train", draft_vocab_size=192,
-        ttt_steps=4, layer_ids=[0, 1, 2], lr=1e-2, batch_size=8, max_steps=80,
-        heldout_fraction=0.1, checkpoint_every=1000, threads=1,
-    )  # fmt: skip
+        data=root / "shards",
+        target=root / "target",
+        out_dir=root / "train",
+        draft_vocab_size=192,
+        ttt_steps=4,
+        layer_ids=[0, 1, 2],
+        lr=1e-2,
+        batch_size=8,
+        max_steps=80,
+        heldout_fraction=0.1,
+        checkpoint_every=1000,
+        threads=1,
+    )
 
 
 def test_trained_draft_is_accepted_more_than_an_untrained_one(random_target_run):
@@ -103,10 +124,18 @@ def test_tiny_target_acceptance_at_least_2_5_with_k7(tmp_path):
     from pipeline.embedded.tiny import ensure_distilled_shards, ensure_tiny_target
 
     cfg = TrainConfig(
-        data=ensure_distilled_shards(), target=ensure_tiny_target(), out_dir=tmp_path, draft_vocab_size=2048,
-        ttt_steps=7, lr=3e-3, batch_size=8, max_steps=150, heldout_fraction=0.15,
-        checkpoint_every=1000, threads=1,
-    )  # fmt: skip
+        data=ensure_distilled_shards(),
+        target=ensure_tiny_target(),
+        out_dir=tmp_path,
+        draft_vocab_size=2048,
+        ttt_steps=7,
+        lr=3e-3,
+        batch_size=8,
+        max_steps=150,
+        heldout_fraction=0.15,
+        checkpoint_every=1000,
+        threads=1,
+    )
     simulated, real = _evaluate(cfg, prompts=16, max_new_tokens=64)
     assert real["acceptance_length"] >= 2.5, (simulated, real)
     assert abs(simulated["acceptance_length"] - real["acceptance_length"]) < 1.5, (simulated, real)

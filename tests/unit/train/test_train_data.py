@@ -54,9 +54,15 @@ def test_fewer_rows_than_one_step_takes_is_an_error_not_an_empty_batch():
 
 def test_the_step_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     LlamaForCausalLM(
-        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                    num_attention_heads=2, num_key_value_heads=1)
-    ).save_pretrained(tmp_path / "target")  # fmt: skip
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path / "target")
     (tmp_path / "shards").mkdir()
     pq.write_table(
         pa.table({"input_ids": [[5, 6, 7, 8]] * 3, "loss_mask": [[0, 1, 1, 1]] * 3}),
@@ -143,8 +149,10 @@ def test_batches_built_by_index_equal_the_ones_built_from_python_lists(tmp_path)
             isinstance(row.input_ids, np.ndarray) and not row.input_ids.flags.writeable
         )  # a view of the map
         assert (row.input_ids.tolist(), row.loss_mask.tolist(), row.source) == (
-            expected.input_ids, expected.loss_mask, expected.source,
-        )  # fmt: skip
+            expected.input_ids,
+            expected.loss_mask,
+            expected.source,
+        )
     assert rows.lengths().tolist() == [len(r.input_ids) for r in reference]
     assert rows.largest_token() == max(max(r.input_ids) for r in reference)
 
@@ -159,10 +167,15 @@ def test_batches_built_by_index_equal_the_ones_built_from_python_lists(tmp_path)
         r.input_ids for r in reference[1:3]
     ]
 
-    assert torch.equal(token_counts(train, 500), sum(
-        torch.bincount(torch.tensor(r.input_ids)[torch.tensor(r.loss_mask, dtype=torch.bool)], minlength=500)
-        for r in expected_train
-    ))  # fmt: skip
+    assert torch.equal(
+        token_counts(train, 500),
+        sum(
+            torch.bincount(
+                torch.tensor(r.input_ids)[torch.tensor(r.loss_mask, dtype=torch.bool)], minlength=500
+            )
+            for r in expected_train
+        ),
+    )
     for step in range(3 * steps_per_epoch(len(train), 2, 2)):
         for rank in range(2):
             got = collate(batch_at(train, step, 2, 7, rank, 2), pad_id=3)
@@ -262,8 +275,11 @@ def test_a_process_holding_a_million_tokens_holds_them_in_the_map_not_in_its_own
     load_shards(tmp_path / "shards", 4096, mapped)  # converted here, mapped there
     hold = subprocess.run(
         [sys.executable, "-c", _HOLD, str(tmp_path / "shards"), str(mapped), str(tmp_path / "warm")],
-        capture_output=True, text=True, check=True, timeout=240,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    )
     held = json.loads(hold.stdout.splitlines()[-1])
     assert held["tokens"] == 1_000_000
     assert held["grew"] < 2 * held["tokens"], f"{held['grew'] / held['tokens']:.1f} bytes a token"

@@ -29,10 +29,16 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "target")
     generator = torch.Generator().manual_seed(2)
     rows = {"input_ids": [], "loss_mask": []}
@@ -62,15 +68,38 @@ def test_offline_training_of_a_hub_id_target_keys_its_features_on_the_snapshot(t
     step = tmp_path / "step"
     step.mkdir()
     argv = [
-        sys.executable, "-m", "pipeline.cli", "train", "--data", str(tiny / "shards"), "--target", HUB_ID,
-        "--target-placement", "offline", "--draft-vocab-size", "64", "--ttt-steps", "2",
-        "--batch-size", "2", "--max-length", "32", "--max-steps", "2", "--eval-prompts", "0",
-        "--threads", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "train",
+        "--data",
+        str(tiny / "shards"),
+        "--target",
+        HUB_ID,
+        "--target-placement",
+        "offline",
+        "--draft-vocab-size",
+        "64",
+        "--ttt-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-length",
+        "32",
+        "--max-steps",
+        "2",
+        "--eval-prompts",
+        "0",
+        "--threads",
+        "1",
+    ]
     env = {
-        **os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "EYRIE_STEP_DIR": str(step),
+        **os.environ,
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "EYRIE_STEP_DIR": str(step),
         "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+    }
     done = subprocess.run(argv, cwd=step, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "speculative decoding not measured (--eval-prompts 0)" in done.stdout  # not "nan"
@@ -125,10 +154,19 @@ def test_sharded_with_several_processes_trains_in_one(tiny, tmp_path, capsys):
 
 def test_a_rerun_that_cannot_resume_says_which_setting_changed(tiny, tmp_path):
     cfg = TrainConfig(
-        data=tiny / "shards", target=tiny / "target", out_dir=tmp_path, draft_vocab_size=64, ttt_steps=2,
-        batch_size=2, max_length=32, max_steps=2, checkpoint_every=1, lr=1e-3, threads=1,
+        data=tiny / "shards",
+        target=tiny / "target",
+        out_dir=tmp_path,
+        draft_vocab_size=64,
+        ttt_steps=2,
+        batch_size=2,
+        max_length=32,
+        max_steps=2,
+        checkpoint_every=1,
+        lr=1e-3,
+        threads=1,
         heldout_fraction=0.1,
-    )  # fmt: skip
+    )
     first: list[str] = []
     train(cfg, log=first.append)
     assert not any("not resumed" in line for line in first)

@@ -87,10 +87,16 @@ def test_vocab_map_smaller_vocab_than_draft_keeps_everything():
 def _tiny_target(seed=0, vocab=96, layers=6):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -110,12 +116,17 @@ def test_export_reload_gives_identical_logits(tmp_path):
     assert config["num_hidden_layers"] == 1
     keys = set(load_file(folder / "model.safetensors"))
     expected = {
-        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight",
         "midlayer.post_attention_layernorm.weight",
         *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
         *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-    }  # fmt: skip
+    }
     assert keys == expected
     weights = load_file(folder / "model.safetensors")
     assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
@@ -180,8 +191,14 @@ def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
         # An explicit mask: generate would otherwise take a generated 0 (the pad id) for padding.
         tokens = torch.tensor([ids])
         with torch.no_grad():
-            out = target.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=steps,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = target.generate(
+                tokens,
+                attention_mask=torch.ones_like(tokens),
+                max_new_tokens=steps,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         return out[0, len(ids) :].tolist()
 
     def own_tokens_one_corrupted(_draft, ids, _features, steps, cache=None):

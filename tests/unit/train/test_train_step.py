@@ -29,10 +29,16 @@ def small_run(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train-step")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "target")
     generator = torch.Generator().manual_seed(1)
     rows = {"input_ids": [], "loss_mask": [], "source": []}
@@ -49,11 +55,34 @@ def small_run(tmp_path_factory) -> dict[str, Path]:
 
 def _train_argv(run: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return [
-        *EYRIE, "train", "--data", str(run["data"]), "--target", str(run["target"]),
-        "--draft-vocab-size", "64", "--ttt-steps", "3", "--batch-size", "2", "--max-steps", "16",
-        "--checkpoint-every", "2", "--eval-prompts", "2", "--eval-max-new-tokens", "8",
-        "--lr", "1e-3", "--threads", "1", "--heldout-fraction", "0.1", *extra,
-    ]  # fmt: skip
+        *EYRIE,
+        "train",
+        "--data",
+        str(run["data"]),
+        "--target",
+        str(run["target"]),
+        "--draft-vocab-size",
+        "64",
+        "--ttt-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "16",
+        "--checkpoint-every",
+        "2",
+        "--eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "8",
+        "--lr",
+        "1e-3",
+        "--threads",
+        "1",
+        "--heldout-fraction",
+        "0.1",
+        *extra,
+    ]
 
 
 def _checkpoints(step_dir: Path) -> list[Path]:
@@ -84,9 +113,12 @@ def test_resume_after_kill_9_ends_with_the_same_steps_and_weights(small_run):
     killed = small_run["root"] / "killed"
     killed.mkdir()
     proc = subprocess.Popen(
-        _train_argv(small_run, killed), cwd=killed, env=_env(killed),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        _train_argv(small_run, killed),
+        cwd=killed,
+        env=_env(killed),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     # Kill once a checkpoint beyond the first exists: mid-run, possibly mid-write of the next one.
     while time.monotonic() < deadline and proc.poll() is None:

@@ -113,9 +113,13 @@ def test_nothing_of_t_by_t_size_is_kept_for_the_backward():
 
 def small_draft() -> Eagle3Draft:
     target = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     return Eagle3Draft(draft_config(target, 128, [1, 3, 4])).double()
 
