@@ -60,6 +60,9 @@ class Source(BaseModel):
     """The most records taken from this source (after its own dedup and filters)."""
     native: bool = False
     """Rows are already the target model's outputs: they become conversations, not prompts."""
+    prompt: Literal["last_turn", "first_turn"] = "last_turn"
+    """A prompt source's prompt: the conversation up to its last user turn (the history its answer
+    continues), or its opening question alone (the first user turn, after any system message)."""
     min_chars: int = 1
     max_chars: int | None = None
 

@@ -196,6 +196,26 @@ def test_prompt_records_end_before_the_answer_and_ids_are_stable():
     assert other[0] == key  # ... the dedup key does not, so duplicates are found across sources
 
 
+def test_a_first_turn_prompt_is_the_opening_question_after_its_system_message():
+    src = source("messages", prompt="first_turn")
+    row = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    }
+    _, record, _ = conversation_record(adapt_messages(row, src), src, "#0")
+    assert [(m["role"], m["content"]) for m in record["messages"]] == [("system", "s"), ("user", "a")]
+    last = conversation_record(adapt_messages(row, source("messages")), source("messages"), "#0")[1]
+    assert [m["content"] for m in last["messages"]] == ["s", "a", "b", "c"]
+    assert record["id"] != last["id"]  # another prompt, another id
+    with pytest.raises(Reject, match="empty_prompt"):
+        only_system = {"messages": row["messages"][:1]}
+        conversation_record(adapt_messages(only_system, src), src, "#0")
+
+
 def test_native_records_keep_the_answer_and_need_one():
     src = source("messages", native=True)
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
