@@ -226,9 +226,9 @@ def conversation_record(conv: Conversation, source: Source, source_id: str) -> t
         if not any(m["role"] == "user" for m in messages):
             raise Reject("empty_prompt")
     else:
-        if source.prompt == "first_turn":
+        if source.prompt == "first_turn":  # the system messages before it stay; an opening answer does not
             first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-            messages = messages[: first_user + 1]
+            messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:][:1]
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
         if not any(m["role"] == "user" for m in messages) or messages[-1]["role"] == "system":

@@ -120,18 +120,21 @@ class Tokenizer:
         return self._encode(conversations)[0]
 
     def _encode(
-        self, conversations: list[tuple[list[dict], Any]]
+        self, conversations: list[tuple[list[dict], Any]], where: list[str] | None = None
     ) -> tuple[list[tuple[list[int], list[int], bool] | str], list[bool]]:
-        """``encode_batch``'s results, and per conversation whether its spans took rendered prefixes."""
+        """``encode_batch``'s results, and per conversation whether its spans took rendered prefixes;
+        ``where`` (FILE:LINE of each) goes before a TokenizeError, so it names the conversation."""
         out: list = []
         by_prefix: list[bool] = []
         whole: list[tuple[int, str, list[tuple[int, int]]]] = []
         cut: list[tuple[int, str, list]] = []
-        for messages, tools in conversations:
+        for index, (messages, tools) in enumerate(conversations):
             try:
                 text, spans, prefixed = self.render(messages, tools)
-            except TokenizeError:
-                raise
+            except TokenizeError as exc:
+                if where is None:
+                    raise
+                raise type(exc)(f"{where[index]}: {exc}") from None
             except Exception:  # a message the template cannot render (wrong types, missing keys)
                 out.append("render_error")
                 by_prefix.append(False)
@@ -168,7 +171,8 @@ class Tokenizer:
         """The rows of a batch of conversation lines, in order, as an Arrow table, and their counts."""
         parsed = [parse_conversation(line) for line in lines]
         rows = Rows(max_length)
-        results, by_prefix = self._encode([(record.messages, record.tools) for record in parsed])
+        where = [f"{file}:{number}" for file, number, _ in lines]
+        results, by_prefix = self._encode([(record.messages, record.tools) for record in parsed], where)
         for record, result, prefixed in zip(parsed, results, by_prefix, strict=True):
             if isinstance(result, str):
                 rows.reject(record.source, result)

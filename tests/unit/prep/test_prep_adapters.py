@@ -211,6 +211,9 @@ def test_a_first_turn_prompt_is_the_opening_question_after_its_system_message():
     last = conversation_record(adapt_messages(row, source("messages")), source("messages"), "#0")[1]
     assert [m["content"] for m in last["messages"]] == ["s", "a", "b", "c"]
     assert record["id"] != last["id"]  # another prompt, another id
+    opened_by_an_answer = {"messages": [{"role": "assistant", "content": "hi"}, *row["messages"][1:]]}
+    _, record, _ = conversation_record(adapt_messages(opened_by_an_answer, src), src, "#0")
+    assert [(m["role"], m["content"]) for m in record["messages"]] == [("user", "a")]
     with pytest.raises(Reject, match="empty_prompt"):
         only_system = {"messages": row["messages"][:1]}
         conversation_record(adapt_messages(only_system, src), src, "#0")
