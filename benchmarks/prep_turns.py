@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.prep_common import TEMPLATES, median, sample_conversations, tokenizers
-from pipeline.run.step_contract import CACHE_DIR_ENV
+from pipeline.contract.step import CACHE_DIR_ENV
 
 TURNS = (1, 8, 64)
 KIMI_K25 = "kimi-k2.5"

@@ -48,7 +48,7 @@ def agentic_conversations(out: Path) -> Path:
 
 def tokenized(target: str, template: str, conversations: Path, out: Path, max_length: int) -> dict:
     """The tokenize step's manifest stats at ``max_length`` (its console output kept back)."""
-    from pipeline.run.step_contract import read_manifest
+    from pipeline.contract.step import read_manifest
 
     said = io.StringIO()
     with contextlib.redirect_stderr(said):

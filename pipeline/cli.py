@@ -408,7 +408,7 @@ def manifest(
     ],
 ) -> None:
     """Declare a step's outputs complete: hash them into its manifest.json, as the Python API does."""
-    from pipeline.run.step_contract import manifest_command
+    from pipeline.contract.step import manifest_command
 
     raise typer.Exit(manifest_command(outputs))
 

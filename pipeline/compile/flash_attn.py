@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.compile.profile import SHIPPED_PROFILES, JobKey, Profile, ProfileError
+from pipeline.contract.atomic import atomic_path
 from pipeline.memory import GIB, Budget, format_size, memory_budget, parse_size
-from pipeline.run.step_contract import atomic_path
 
 if TYPE_CHECKING:
     from pipeline.compile.broker import BuildBroker, BuildReport

@@ -309,7 +309,7 @@ class Profile:
         return cls(entries, default_peak=default_peak, margin=margin)
 
     def save(self, path: Path, *, note: str, only_nvcc: str | None = None) -> None:
-        from pipeline.run.step_contract import atomic_write_text
+        from pipeline.contract.atomic import atomic_write_text
 
         entries = [asdict(e) for e in self.entries() if only_nvcc in (None, e.nvcc)]
         entries.sort(key=lambda e: (e["package"], e["nvcc"], e["archs"], e["threads"], e["source"]))

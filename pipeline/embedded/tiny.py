@@ -27,7 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.step_contract import atomic_path, cache_root, step_dir_from_env, write_manifest
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.step import cache_root, step_dir_from_env, write_manifest
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 SEED = 1234

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.provision.errors import ProvisionError
 from pipeline.provision.inventory import ansible_env, read_inventory
 from pipeline.provision.runner import (
@@ -23,7 +24,6 @@ from pipeline.provision.runner import (
     ProvisionResult,
     provision,
 )
-from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 HOST_TESTS = REPO / "tests" / "host"
 # ssh's own exit status when it could not connect (the remote command's otherwise).

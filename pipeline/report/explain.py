@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import MANIFEST_NAME, read_manifest
 from pipeline.memory import format_duration, format_size
 from pipeline.report.console import wide_console
 from pipeline.report.follow import gone_note
@@ -19,7 +21,6 @@ from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import AttemptRow, Ledger, StepState
-from pipeline.run.step_contract import EXIT_BAD_INPUT, MANIFEST_NAME, read_manifest
 from pipeline.run.verdict import meaningful
 
 HEADLINE = {
@@ -113,7 +114,7 @@ def _outputs_without_manifest(row: AttemptRow, run_dir: Path, outputs: list[str]
         f"Every declared output was written during this attempt, but no {MANIFEST_NAME} says they are "
         f"complete: {', '.join(facts)}.",
         f"If the command had finished them, it can declare it before it exits: `eyrie manifest "
-        f"{' '.join(outputs)}` (from Python, pipeline.run.step_contract.write_manifest); a crash after that "
+        f"{' '.join(outputs)}` (from Python, pipeline.contract.step.write_manifest); a crash after that "
         "is completed_then_crashed, and the outputs are kept.",
     ]
 

@@ -25,6 +25,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from pipeline.memory import cgroup_at, format_duration, format_size
 from pipeline.report.console import VERDICT_STYLE, wide_console
 from pipeline.report.ledger_access import read_run
@@ -32,7 +33,6 @@ from pipeline.report.timeline import clock
 from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger, RunState, StepState
 from pipeline.run.liveness import runner_gone
-from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from pipeline.run.verdict import meaningful
 
 REFRESH_S = 1.0

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import read_manifest
 from pipeline.memory import format_duration, format_size
 from pipeline.report.chart import (
     FAILED_COLOR,
@@ -36,7 +39,6 @@ from pipeline.report.status import exit_text, not_run_steps
 from pipeline.report.timeline import RunTimeline, clock, run_timeline
 from pipeline.run.layout import REPORT_NAME
 from pipeline.run.ledger import AttemptRow, Ledger
-from pipeline.run.step_contract import EXIT_BAD_INPUT, atomic_write_text, read_manifest
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #1f2328; }

@@ -12,8 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.run.ledger import LEDGER_NAME, Ledger, unreadable_line
-from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 
 def resolve_run_dir(run_dir: Path | None, runs: Path, err: Console) -> Path | None:

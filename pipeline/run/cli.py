@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
 from pipeline.memory import CgroupError, format_duration, format_size
 from pipeline.run.disk import RunDirFull
 from pipeline.run.executor import Executor, ExecutorError, Outcome, executor_class
@@ -17,7 +18,6 @@ from pipeline.run.ledger import LedgerFull, LedgerUnreadable
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.recovery import RunDirBusy
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
-from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error
 from pipeline.run.verdict import DONE_VERDICTS, Decision, Verdict
 
 # What a run is refused or stopped for, said in one line: the file, the executor, the cgroups, the

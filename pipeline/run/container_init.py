@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.memory import Cgroup, CgroupError, current_cgroup
 from pipeline.run.executor import STOP_GRACE_S
 from pipeline.run.monitor import CgroupMonitor
-from pipeline.run.step_contract import EXIT_BAD_INPUT
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process
 

@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
+from pipeline.contract.step import PIPELINE_DIR_ENV, RUN_DIR_ENV
 from pipeline.memory import Budget, parse_size, read_meminfo
 from pipeline.run.executor import (
     STDERR_TAIL_LINES,
@@ -48,7 +49,6 @@ from pipeline.run.executor import (
 )
 from pipeline.run.host_gpus import host_gpus
 from pipeline.run.layout import attempt_name
-from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV
 
 try:
     import docker

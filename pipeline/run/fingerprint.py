@@ -14,16 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.contract.step import MANIFEST_NAME, check_manifest, manifest_digest, read_manifest, sha256_file
 from pipeline.run import EXECUTORS
 from pipeline.run.ledger import AttemptRow
 from pipeline.run.spec import PipelineSpec, StepSpec
-from pipeline.run.step_contract import (
-    MANIFEST_NAME,
-    check_manifest,
-    manifest_digest,
-    read_manifest,
-    sha256_file,
-)
 from pipeline.run.step_inputs import missing_input
 from pipeline.run.verdict import DONE_VERDICTS
 

@@ -40,6 +40,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from pipeline.contract.step import SERVICE_PORT_ENV
 from pipeline.run.executor import (
     STDERR_TAIL_LINES,
     AttemptStillRunning,
@@ -50,7 +51,6 @@ from pipeline.run.executor import (
     Outcome,
     StepOptions,
 )
-from pipeline.run.step_contract import SERVICE_PORT_ENV
 
 POLL_S = 1.0
 """How often the runner asks the batch engine about its jobs (one call for all of them)."""

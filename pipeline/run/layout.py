@@ -1,10 +1,12 @@
-"""Where a run directory keeps eyrie's own files, beside the steps' folders: under ``.eyrie/``."""
+"""Where a run directory keeps the runner's own files, beside the steps' folders: under ``.eyrie/``
+(``STATE_DIR``, which the step contract names: a step finds its services' URLs there)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-STATE_DIR = ".eyrie"
+from pipeline.contract.step import STATE_DIR
+
 REPORT_NAME = "report.html"
 """What ``eyrie report`` writes in the run directory unless told otherwise."""
 
@@ -19,9 +21,3 @@ def attempt_logs(run_dir: Path, step: str, attempt: int) -> tuple[Path, Path]:
     """The files an attempt's stdout and stderr are kept in."""
     logs = Path(run_dir) / STATE_DIR / "logs" / step
     return logs / f"attempt-{attempt}.stdout.log", logs / f"attempt-{attempt}.stderr.log"
-
-
-def service_urls_path(run_dir: Path, service: str) -> Path:
-    """Where the runner keeps the URLs ``service``'s replicas answer at now, one per line in replica
-    order: rewritten when a replica started again answers elsewhere (a Slurm job on another node)."""
-    return Path(run_dir) / STATE_DIR / "services" / f"{service}.urls"

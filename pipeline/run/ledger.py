@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline.contract.exits import EXIT_FAILED, EXIT_INTERRUPTED
+from pipeline.contract.step import STATE_DIR
 from pipeline.memory import KIB
 from pipeline.run.disk import space_left
-from pipeline.run.layout import STATE_DIR
-from pipeline.run.step_contract import EXIT_FAILED, EXIT_INTERRUPTED
 
 LEDGER_NAME = "ledger.sqlite"
 LEDGER_FILES = tuple(LEDGER_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))

@@ -28,6 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.contract.step import (
+    FINGERPRINT_ENV,
+    MANIFEST_NAME,
+    SERVICE_PORT_ENV,
+    STATE_DIR,
+    check_manifest,
+    invalidate_manifest,
+    read_manifest,
+    service_urls_env,
+    write_manifest,
+)
 from pipeline.memory import Budget, CgroupError, format_size
 from pipeline.run.disk import RunDirFull, no_space_note, space_left
 from pipeline.run.executor import (
@@ -40,7 +51,7 @@ from pipeline.run.executor import (
 )
 from pipeline.run.fingerprint import check_up_to_date, digest, fingerprint_parts
 from pipeline.run.host_sampler import HostSampler
-from pipeline.run.layout import STATE_DIR, attempt_logs
+from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import (
     LEDGER_FILES,
     LEDGER_NAME,
@@ -56,16 +67,6 @@ from pipeline.run.recovery import Resumed, close_orphans, lock_run_dir
 from pipeline.run.retry_limit import next_limit
 from pipeline.run.services import AdoptedReplica, Services, ServiceState, check_placement, service_argv
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
-from pipeline.run.step_contract import (
-    FINGERPRINT_ENV,
-    MANIFEST_NAME,
-    SERVICE_PORT_ENV,
-    check_manifest,
-    invalidate_manifest,
-    read_manifest,
-    service_urls_env,
-    write_manifest,
-)
 from pipeline.run.step_inputs import check_inputs, check_program, expand_command, runner_env
 from pipeline.run.verdict import DONE_VERDICTS, TRANSIENT_VERDICTS, Decision, Verdict, decide
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.contract.step import STATE_DIR
 from pipeline.memory import CgroupError
 from pipeline.run.executor import (
     AttemptStillRunning,
@@ -28,7 +29,6 @@ from pipeline.run.executor import (
     executor_class,
 )
 from pipeline.run.fingerprint import step_fingerprint
-from pipeline.run.layout import STATE_DIR
 from pipeline.run.ledger import AttemptRow, Ledger, RunState
 from pipeline.run.liveness import runner_alive_here
 from pipeline.run.services import AdoptedReplica, recorded_port, replica_launch

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.step import SERVICE_PORT_ENV, service_urls_path
 from pipeline.memory import format_duration, format_size
 from pipeline.run.executor import Executor, Launch, LineSink, Outcome, RunningAttempt, StepOptions
-from pipeline.run.layout import attempt_logs, service_urls_path
+from pipeline.run.layout import attempt_logs
 from pipeline.run.ledger import Ledger
 from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec
-from pipeline.run.step_contract import SERVICE_PORT_ENV, atomic_write_text
 from pipeline.run.step_inputs import expand_argv, runner_env
 from pipeline.run.verdict import Decision, decide_service
 
@@ -457,7 +458,7 @@ class Services:
 
     def _publish(self, name: str) -> None:
         """Write where ``name``'s replicas answer now, once each has a URL: a step that uses it reads
-        this when a replica stops answering (``step_contract.service_urls``)."""
+        this when a replica stops answering (``pipeline.contract.step.service_urls``)."""
         with self._lock:
             if all(urls := self.urls(name)):
                 atomic_write_text(service_urls_path(self._run_dir, name), "\n".join(urls) + "\n")

@@ -23,18 +23,19 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.memory import MIB, parse_duration, parse_size
-from pipeline.run import EXECUTORS
-from pipeline.run.executor import StepOptions, executor_class
-from pipeline.run.layout import REPORT_NAME, STATE_DIR
-from pipeline.run.ledger import LEDGER_FILES
-from pipeline.run.step_contract import (
+from pipeline.contract.step import (
     PIPELINE_DIR_ENV,
     RUN_DIR_ENV,
     SERVICE_PORT_ENV,
+    STATE_DIR,
     STEP_DIR_ENV,
     STEP_NAME_ENV,
 )
+from pipeline.memory import MIB, parse_duration, parse_size
+from pipeline.run import EXECUTORS
+from pipeline.run.executor import StepOptions, executor_class
+from pipeline.run.layout import REPORT_NAME
+from pipeline.run.ledger import LEDGER_FILES
 from pipeline.run.verdict import MEMORY_VERDICTS, Verdict
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"

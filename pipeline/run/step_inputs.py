@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from pipeline.contract.step import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 from pipeline.run.spec import PipelineError, PipelineSpec, ServiceSpec, StepSpec, UnknownVariable, substitute
-from pipeline.run.step_contract import PIPELINE_DIR_ENV, RUN_DIR_ENV, STEP_DIR_ENV, STEP_NAME_ENV
 
 # What exec takes (Linux): one argument or environment string of at most 32 pages, and all of them
 # together (the environment too) at most ARG_MAX.

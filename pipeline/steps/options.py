@@ -25,8 +25,9 @@ import typer
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
+from pipeline.contract.step import service_urls_env
 from pipeline.memory.units import duration_text, parse_duration
-from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, service_urls_env
 
 TARGET_SERVICE = "target"
 """The service a pipeline declares its target server as: a step that uses it finds the replicas'

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.run.layout import STATE_DIR
-from pipeline.run.step_contract import RUN_DIR_ENV, STEP_NAME_ENV, atomic_write_text
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.step import RUN_DIR_ENV, STATE_DIR, STEP_NAME_ENV
 from pipeline.steps.retry import TRANSIENT_STATUS, Retry
 from pipeline.steps.serve import free_port, running_server
 

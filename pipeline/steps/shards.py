@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from pipeline.contract.atomic import atomic_path
 from pipeline.memory.units import MIB
-from pipeline.run.step_contract import atomic_path
 from pipeline.steps.records import tokenized_schema
 
 ROWS_SCHEMA = pa.schema(

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, SERVICE_PORT_ENV, say_error
+from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
+from pipeline.contract.step import SERVICE_PORT_ENV
 from pipeline.steps.options import TrustRemoteCode, settings_options, stop_when_checking, validated
 from pipeline.steps.serve import ServeError, transformers_argv, transformers_env
 from pipeline.steps.sglang import Parsers, server_argv

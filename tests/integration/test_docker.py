@@ -31,9 +31,9 @@ from eyrie_testing import (
     eyrie_in_small_cgroup,
     run_real_job,
 )
+from pipeline.contract.step import read_manifest
 from pipeline.memory import read_meminfo
 from pipeline.run.ledger import Ledger
-from pipeline.run.step_contract import read_manifest
 from pipeline.steps.eagle3.export import load_draft
 from pipeline.steps.eagle3.model import aux_layer_ids
 

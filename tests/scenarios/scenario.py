@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from pipeline.run.step_contract import atomic_path, step_dir_from_env, write_manifest
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.step import step_dir_from_env, write_manifest
 
 MIB = 1024 * 1024
 

@@ -1,5 +1,5 @@
 """Each constant once: byte units come from memory/units.py, the exit statuses eyrie gives
-meaning to (failed, bad input, interrupted) from run/step_contract.py, an attempt's engine name
+meaning to (failed, bad input, interrupted) from contract/exits.py, an attempt's engine name
 from run/layout.py."""
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ def test_an_interrupted_command_exits_through_the_one_exit_status():
 
 
 @pytest.mark.parametrize("name", EXIT_STATUSES)
-def test_each_exit_status_is_defined_once_in_the_step_contract(name):
+def test_each_exit_status_is_defined_once_beside_the_step_contract(name):
     definitions = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
         for path, tree in _modules()
         for node in ast.walk(tree)
         if any(getattr(target, "id", "") == name for target in _assigned(node))
     ]
-    assert len(definitions) == 1 and definitions[0].startswith("pipeline/run/step_contract.py:"), definitions
+    assert len(definitions) == 1 and definitions[0].startswith("pipeline/contract/exits.py:"), definitions
 
 
 def test_an_attempts_engine_name_is_made_in_one_place():

@@ -1,6 +1,6 @@
-"""DESIGN.md's layers, read from the imports: arrows point down only, a step knows nothing about
-executors, and an executor nothing about steps; no import circle, and no function longer than a
-reader holds at once."""
+"""DESIGN.md's layers, read from the imports: arrows point down only, every folder and module of
+pipeline/ has its place among them, a step knows nothing about executors, and an executor nothing
+about steps; no import circle, and no function longer than a reader holds at once."""
 
 from __future__ import annotations
 
@@ -12,16 +12,21 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
 
-# What each layer may import of ours, besides itself.
+# What each layer may import of ours, besides itself: a folder of pipeline/, or a module beside
+# them by its name. Bottom up: the contract is what every layer above memory shares (a step's
+# environment, its manifest, atomic files, exit statuses); cli.py is the command line, on top.
 ALLOWED = {
+    "__init__": set(),  # imported before any module of ours: it may import none
     "memory": set(),
-    "run": {"memory"},
-    "compile": {"run", "memory"},
-    "steps": {"run", "memory"},
-    "report": {"run", "memory"},
+    "contract": {"memory"},
+    "run": {"contract", "memory"},
+    "compile": {"run", "contract", "memory"},
+    "steps": {"contract", "memory"},
+    "report": {"run", "contract", "memory"},
+    "provision": {"contract"},
+    "embedded": {"steps", "contract", "memory"},
+    "cli": {"embedded", "provision", "report", "steps", "compile", "run", "contract", "memory"},
 }
-# All a step needs of run/: the contract with whatever runs it, and where the run keeps its state.
-STEP_SIDE_OF_RUN = {"pipeline.run.step_contract", "pipeline.run.layout"}
 
 
 def imports(path: Path) -> set[str]:
@@ -36,7 +41,23 @@ def imports(path: Path) -> set[str]:
 
 
 def layer_files(layer: str) -> list[Path]:
-    return sorted((PACKAGE / layer).rglob("*.py"))
+    """A folder layer's modules, or a module layer itself."""
+    folder = PACKAGE / layer
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{layer}.py"]
+
+
+def layers_on_disk() -> set[str]:
+    """Every folder of pipeline/ that holds Python, and every module beside them, by its name."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.rglob("*.py"))}
+    return folders | {p.stem for p in PACKAGE.glob("*.py")}
+
+
+def test_every_folder_and_module_of_the_package_has_its_layer():
+    """A new folder (or module beside them) fails here until its place among the layers is declared."""
+    undeclared = sorted(layers_on_disk() - ALLOWED.keys())
+    assert not undeclared, f"no layer declared in ALLOWED for pipeline/: {', '.join(undeclared)}"
+    gone = sorted(ALLOWED.keys() - layers_on_disk())
+    assert not gone, f"ALLOWED declares what pipeline/ no longer has: {', '.join(gone)}"
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
@@ -50,24 +71,56 @@ def test_a_layer_imports_only_the_layers_below_it(layer):
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_layers_point_down_only():
+    """The table itself has no circle: each layer's allowed imports are declared layers, each below it."""
+
+    def below(layer: str) -> set[str]:
+        found, todo = set(), list(ALLOWED[layer])
+        while todo:
+            if (name := todo.pop()) not in found:
+                found.add(name)
+                todo.extend(ALLOWED[name])
+        return found
+
+    assert all(ALLOWED[layer] <= ALLOWED.keys() and layer not in below(layer) for layer in ALLOWED)
+
+
 def test_steps_know_nothing_about_executors():
-    wrong = [
-        f"{path.relative_to(PACKAGE.parent)} imports {name}"
-        for path in layer_files("steps")
-        for name in sorted(imports(path))
-        if name.startswith("pipeline.run") and name not in STEP_SIDE_OF_RUN
-    ]
-    assert not wrong, "\n".join(wrong)
+    """A step sees what runs it only through the contract; the runner runs a step as any command."""
+    assert "run" not in ALLOWED["steps"] and "steps" not in ALLOWED["run"]
 
 
-def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("layer", "module", "upward"),
+    [
+        ("memory", "memory/bad.py", "pipeline.run.ledger"),
+        ("contract", "contract/bad.py", "pipeline.run.layout"),
+        ("steps", "steps/bad.py", "pipeline.run.orchestrator"),
+        ("provision", "provision/bad.py", "pipeline.steps.options"),
+        ("__init__", "__init__.py", "pipeline.memory"),
+    ],
+)
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch, layer, module, upward):
     """The checks above pass only because the imports are right, not because they read nothing."""
     fake = tmp_path / "pipeline"
-    (fake / "memory").mkdir(parents=True)
-    (fake / "memory" / "bad.py").write_text("def f():\n    from pipeline.run.ledger import Ledger\n")
+    (fake / module).parent.mkdir(parents=True, exist_ok=True)
+    (fake / module).write_text(f"def f():\n    from {upward} import x\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-    with pytest.raises(AssertionError, match="pipeline/memory/bad.py imports pipeline.run.ledger"):
-        test_a_layer_imports_only_the_layers_below_it("memory")
+    with pytest.raises(AssertionError, match=f"pipeline/{module} imports {upward}"):
+        test_a_layer_imports_only_the_layers_below_it(layer)
+
+
+def test_the_check_sees_an_undeclared_folder(tmp_path, monkeypatch):
+    fake = tmp_path / "pipeline"
+    for layer in ALLOWED:
+        path = fake / (f"{layer}.py" if (PACKAGE / f"{layer}.py").exists() else f"{layer}/__init__.py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    (fake / "newcomer").mkdir()
+    (fake / "newcomer" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    with pytest.raises(AssertionError, match="no layer declared in ALLOWED for pipeline/: newcomer"):
+        test_every_folder_and_module_of_the_package_has_its_layer()
 
 
 def step_packages() -> list[str]:

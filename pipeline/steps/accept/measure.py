@@ -43,14 +43,9 @@ from typing import Literal
 
 from rich.console import Console
 
-from pipeline.run.step_contract import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    atomic_write_text,
-    say_error,
-    step_dir_from_env,
-    write_manifest,
-)
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED, say_error
+from pipeline.contract.step import step_dir_from_env, write_manifest
 from pipeline.steps.accept.sets import HELDOUT, SetError, read_set, rendered
 from pipeline.steps.retry import Retry
 from pipeline.steps.serve import ServeError

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from pipeline.run.step_contract import atomic_path
+from pipeline.contract.atomic import atomic_path
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 WEIGHTS = "model.safetensors"

@@ -10,7 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, say_error, service_urls, step_dir_from_env
+from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
+from pipeline.contract.step import service_urls, step_dir_from_env
 from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
 from pipeline.steps.options import (
     TARGET_SERVICE,

@@ -32,7 +32,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pipeline.run.step_contract import error_lines, service_urls, write_manifest
+from pipeline.contract.exits import error_lines
+from pipeline.contract.step import service_urls, write_manifest
 from pipeline.steps.generate.client import (
     AuthError,
     ChatClient,

@@ -26,7 +26,9 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, MANIFEST_NAME, atomic_path, fsync_dir
+from pipeline.contract.atomic import atomic_path, fsync_dir
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import MANIFEST_NAME
 from pipeline.steps.generate.config import GenerateConfig, settings_diff, settings_of
 from pipeline.steps.generate.conversation import Mode
 from pipeline.steps.generate.json_text import loads

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.contract.atomic import fsync_dir
 from pipeline.memory.units import MIB
-from pipeline.run.step_contract import fsync_dir
 from pipeline.steps.generate.json_text import loads
 
 _CHUNK = MIB

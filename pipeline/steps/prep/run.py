@@ -30,15 +30,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.memory.budget import plan_workers
 from pipeline.memory.units import format_size, parse_size
-from pipeline.run.step_contract import (
-    EXIT_BAD_INPUT,
-    atomic_path,
-    invalidate_manifest,
-    step_dir_from_env,
-    write_manifest,
-)
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
 from pipeline.steps.prep.sources import (
     SourceResult,

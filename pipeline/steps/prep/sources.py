@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.contract.atomic import atomic_path
 from pipeline.memory.units import KIB
-from pipeline.run.step_contract import atomic_path
 from pipeline.steps.prep.adapters import (
     ADAPTERS,
     Conversation,

@@ -25,7 +25,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from pipeline.run.step_contract import MANIFEST_NAME, atomic_path, cache_root, sha256_file, write_manifest
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.step import MANIFEST_NAME, cache_root, sha256_file, write_manifest
 
 GGUF_SUFFIX = ".gguf"
 SAVED_DTYPE = "float32"

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.step_contract import atomic_path, cache_root
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.step import cache_root
 from pipeline.steps.target import TargetError
 
 CACHE_FOLDER = "tokenizers"

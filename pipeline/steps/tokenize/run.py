@@ -33,15 +33,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipeline.contract.atomic import atomic_path
+from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED
+from pipeline.contract.step import invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.memory import parse_size, plan_workers
-from pipeline.run.step_contract import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    atomic_path,
-    invalidate_manifest,
-    step_dir_from_env,
-    write_manifest,
-)
 from pipeline.steps.records import position_id, record_id, tokens_key
 from pipeline.steps.tokenize.chat_template import OWN_TEMPLATE, ChatTemplate, TokenizeError
 from pipeline.steps.tokenize.rows import Counts, InputError, Line, Record, Rows, read_lines

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.run.step_contract import atomic_path, final_name_of
+from pipeline.contract.atomic import atomic_path, final_name_of
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")

@@ -23,7 +23,8 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_FAILED, step_dir_from_env, write_manifest
+from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED
+from pipeline.contract.step import step_dir_from_env, write_manifest
 from pipeline.steps.options import (
     ReleaseTarget,
     TrustRemoteCode,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, EXIT_FAILED, atomic_write_text
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from pipeline.steps.options import validation_lines
 from pipeline.steps.target import TargetError
 from pipeline.steps.train.config import SettingsError, TrainConfig

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.run.step_contract import atomic_write_text
+from pipeline.contract.atomic import atomic_write_text
 from pipeline.steps.eagle3.model import (
     Eagle3Draft,
     default_layer_ids,

@@ -33,8 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.contract.atomic import atomic_path, atomic_write_text, final_name_of
 from pipeline.memory.units import MIB, format_size
-from pipeline.run.step_contract import atomic_path, atomic_write_text, final_name_of
 from pipeline.steps.shards import Example
 from pipeline.steps.train.data import collate
 

@@ -17,7 +17,7 @@ from generate_helpers import (
     write_prompts,
 )
 
-from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.contract.step import check_manifest, read_manifest
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from generate_helpers import (
     simple_prompts,
 )
 
-from pipeline.run.step_contract import check_manifest
+from pipeline.contract.step import check_manifest
 
 TRIALS = 6
 ROWS = 3000

@@ -8,8 +8,8 @@ import time
 import pytest
 from generate_helpers import FakeServer, fake_servers, read_jsonl, run_generate, simple_prompts
 
-from pipeline.run.layout import service_urls_path
-from pipeline.run.step_contract import atomic_write_text, read_manifest
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.step import read_manifest, service_urls_path
 from pipeline.steps.serve import free_port
 
 ALL_IDS = [f"p{i:05d}" for i in range(600)]

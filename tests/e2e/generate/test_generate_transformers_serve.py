@@ -8,7 +8,7 @@ import socket
 import pytest
 from generate_helpers import read_jsonl, run_generate, write_prompts
 
-from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.contract.step import check_manifest, read_manifest
 
 TOOL_CALL = {
     "id": "c1",

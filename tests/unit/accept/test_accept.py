@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from eyrie_testing import eyrie
 from pipeline.cli import app
-from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import read_manifest
 from pipeline.steps.accept import measure
 from pipeline.steps.accept.measure import Settings, _server_run
 from pipeline.steps.eagle3 import decoding

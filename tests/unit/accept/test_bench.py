@@ -21,9 +21,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import write_manifest
 from pipeline.embedded.tiny import build_tokenizer
 from pipeline.report.html import acceptance_table
-from pipeline.run.step_contract import EXIT_BAD_INPUT, write_manifest
 from pipeline.steps.accept import measure
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map

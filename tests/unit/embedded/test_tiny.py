@@ -11,8 +11,8 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.contract.step import check_manifest
 from pipeline.embedded import tiny
-from pipeline.run.step_contract import check_manifest
 
 
 def test_tokenizer_is_deterministic_and_learned_from_every_sample_file(tmp_path, monkeypatch):

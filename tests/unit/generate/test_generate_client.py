@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from rich.console import Console
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.steps.generate.client import ChatClient, PermanentError, RetriesExhausted, Retry
 from pipeline.steps.generate.driver import GenerateConfig, generate
 from pipeline.steps.serve import free_port

@@ -9,7 +9,7 @@ import time
 import pytest
 from rich.console import Console
 
-from pipeline.run.step_contract import read_manifest
+from pipeline.contract.step import read_manifest
 from pipeline.steps.generate import driver
 from pipeline.steps.generate.client import Counters
 from pipeline.steps.generate.driver import GenerateConfig, Generation, generate, latency_ms

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.run.step_contract import read_manifest
+from pipeline.contract.step import read_manifest
 from pipeline.steps.prep import json_files
 from pipeline.steps.prep.json_files import JsonFileError, JsonRows
 from pipeline.steps.prep.run import run_prep

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.contract.step import check_manifest, read_manifest
 from pipeline.steps.prep.catalog import load_catalog
 from pipeline.steps.prep.run import OUTPUTS, run_prep
 

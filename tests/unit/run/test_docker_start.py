@@ -10,9 +10,9 @@ import pytest
 
 docker_errors = pytest.importorskip("docker.errors")  # the `docker` extra
 
+from pipeline.contract.step import RUN_DIR_ENV  # noqa: E402
 from pipeline.run import docker as docker_executor  # noqa: E402
 from pipeline.run.executor import ExecutorError, Launch  # noqa: E402
-from pipeline.run.step_contract import RUN_DIR_ENV  # noqa: E402
 
 NO_GPU_RUNTIME = 'could not select device driver "" with capabilities: [[gpu]]'
 

@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import yaml
 
+from pipeline.contract.step import MANIFEST_NAME
 from pipeline.memory import Budget
 from pipeline.run import grid, orchestrator, slurm
 from pipeline.run.executor import ExecutorError, ExecutorUnavailable, Launch, Outcome, StepOptions
@@ -23,7 +24,6 @@ from pipeline.run.orchestrator import Orchestrator, RunResult
 from pipeline.run.recovery import RunDirBusy
 from pipeline.run.services import check_placement
 from pipeline.run.spec import PipelineError, PipelineSpec, load_pipeline
-from pipeline.run.step_contract import MANIFEST_NAME
 from tests.fakes.fake_slurm import FakeSlurm
 
 pytestmark = pytest.mark.timeout(60)  # a run that never ends fails here instead of hanging

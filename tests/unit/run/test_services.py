@@ -20,13 +20,13 @@ import yaml
 from rich.console import Console
 
 from eyrie_testing import REPO, eyrie
+from pipeline.contract.atomic import atomic_write_text
+from pipeline.contract.step import service_urls_path
 from pipeline.run.cli import ConsoleReporter
-from pipeline.run.layout import service_urls_path
 from pipeline.run.ledger import Ledger
 from pipeline.run.local import LocalExecutor
 from pipeline.run.orchestrator import Orchestrator
 from pipeline.run.spec import PipelineError, load_pipeline
-from pipeline.run.step_contract import atomic_write_text
 
 SERVER = str(REPO / "tests" / "scenarios" / "server.py")
 SCENARIO = str(REPO / "tests" / "scenarios" / "scenario.py")
@@ -175,7 +175,7 @@ def test_a_replica_started_again_elsewhere_is_followed_by_its_running_user(tmp_p
     # it, then asks again where it says now.
     follow = (
         "import json, pathlib, time, urllib.request\n"
-        "from pipeline.run.step_contract import service_urls\n"
+        "from pipeline.contract.step import service_urls\n"
         "(first,) = service_urls('web')\n"
         "pathlib.Path('asked').write_text(str(json.load(urllib.request.urlopen(first + '/'))['pid']))\n"
         "while service_urls('web') == [first]:\n"
@@ -333,7 +333,7 @@ def test_a_service_given_a_url_is_an_external_server_nothing_starts_and_its_user
     # What the step is given, and what the step contract reads: the external URL, whatever an
     # earlier run that started the service itself left in the run directory.
     write_urls = (
-        "import os; from pipeline.run.step_contract import service_urls\n"
+        "import os; from pipeline.contract.step import service_urls\n"
         "given, read = os.environ['EYRIE_SERVICE_WEB_URLS'], ','.join(service_urls('web'))\n"
         "open('urls.txt', 'w').write(given + '\\n' + read)\n"
     )

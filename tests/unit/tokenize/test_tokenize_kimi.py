@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie_testing import eyrie
-from pipeline.run.step_contract import read_manifest
+from pipeline.contract.step import read_manifest
 from pipeline.steps.chat_format import kimi_tool_call_ids
 from pipeline.steps.tokenize import fast
 from pipeline.steps.tokenize.chat_template import ChatTemplate, TokenizeError, render

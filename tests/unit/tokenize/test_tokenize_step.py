@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, check_manifest, read_manifest
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import check_manifest, read_manifest
 from pipeline.steps.tokenize.run import run_tokenize
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.run.step_contract import check_manifest, read_manifest
+from pipeline.contract.step import check_manifest, read_manifest
 from pipeline.steps.shards import Example
 from pipeline.steps.train import loop as train_module
 from pipeline.steps.train import offline

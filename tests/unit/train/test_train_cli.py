@@ -11,7 +11,8 @@ import torch.distributed.launcher.api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from transformers import LlamaConfig
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT, read_manifest
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import read_manifest
 from pipeline.steps.train import cli, launch
 from pipeline.steps.train.cli import check_inputs, load_config
 from pipeline.steps.train.config import SettingsError

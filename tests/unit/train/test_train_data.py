@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.run.step_contract import EXIT_BAD_INPUT
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.steps import shards as shards_module
 from pipeline.steps.shards import ROWS_SCHEMA, Example, load_shards, split_heldout
 from pipeline.steps.train.cli import train_command

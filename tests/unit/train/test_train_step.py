@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.run.step_contract import check_manifest
+from pipeline.contract.step import check_manifest
 from pipeline.steps.train import checkpoint as ckpt
 
 EYRIE = [sys.executable, "-m", "pipeline.cli"]

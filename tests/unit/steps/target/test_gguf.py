@@ -15,13 +15,8 @@ import pytest
 import torch
 
 from eyrie_testing import eyrie
-from pipeline.run.step_contract import (
-    CACHE_DIR_ENV,
-    EXIT_BAD_INPUT,
-    check_manifest,
-    read_manifest,
-    sha256_file,
-)
+from pipeline.contract.exits import EXIT_BAD_INPUT
+from pipeline.contract.step import CACHE_DIR_ENV, check_manifest, read_manifest, sha256_file
 from pipeline.steps.target import (
     TargetError,
     check_target,

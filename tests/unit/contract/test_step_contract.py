@@ -4,15 +4,14 @@ import re
 
 import pytest
 
-from pipeline.run import step_contract
-from pipeline.run.layout import service_urls_path
-from pipeline.run.step_contract import (
-    atomic_path,
-    atomic_write_text,
+from pipeline.contract import atomic
+from pipeline.contract.atomic import atomic_path, atomic_write_text
+from pipeline.contract.step import (
     check_manifest,
     manifest_digest,
     read_manifest,
     service_urls,
+    service_urls_path,
     write_manifest,
 )
 
@@ -72,7 +71,7 @@ def test_a_file_written_over_another_is_swapped_in_so_its_name_never_goes_missin
         there.append(target.read_text())
         os.rename(source, destination)
 
-    monkeypatch.setattr(step_contract.os, "replace", replace)
+    monkeypatch.setattr(atomic.os, "replace", replace)
     with atomic_path(target) as tmp:
         tmp.write_text("new")
     assert there == ["old"]
@@ -93,8 +92,8 @@ def test_a_folder_is_on_disk_whole_before_its_name_says_complete(tmp_path, monke
         events.append(("rename", str(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(step_contract.os, "fsync", fsync)
-    monkeypatch.setattr(step_contract.os, "replace", replace)
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "replace", replace)
     final = tmp_path / "step-00000100"
     with atomic_path(final) as tmp:
         tmp.mkdir()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.run.step_contract import (
+from pipeline.contract.step import (
     FINGERPRINT_ENV,
     STEP_DIR_ENV,
     STEP_NAME_ENV,

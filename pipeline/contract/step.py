@@ -3,33 +3,31 @@
 A step runs in its own directory and finds its place in the environment the runner sets
 (``EYRIE_RUN_DIR``, ``EYRIE_STEP_DIR``, ``EYRIE_STEP_NAME``, ``EYRIE_PIPELINE_DIR``). It
 first removes the manifest of an earlier attempt (``invalidate_manifest``), writes each
-output through a temporary name and renames it into place (``atomic_path``), then writes
+output through a temporary name and renames it into place (``atomic.atomic_path``), then writes
 ``manifest.json`` in its step directory (``write_manifest``; a plain command runs ``eyrie
 manifest OUTPUT…``). Outputs are complete when the manifest exists, every file it lists
 still has the recorded size and sha256, and a folder output holds no file it does not list,
 hidden ones included (``check_manifest``). The runner passes the step's input fingerprint in
 ``EYRIE_STEP_FINGERPRINT``; the manifest records it, so a rerun can tell whether the inputs
-changed.
+changed. The runner keeps its own files in the run directory under ``.eyrie/`` (``STATE_DIR``),
+where a step finds the URLs its services answer at now (``service_urls``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-import signal
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from pipeline.contract.atomic import atomic_write_text, fsync_dir
+from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.memory.units import MIB
-from pipeline.run.layout import service_urls_path
 
 MANIFEST_NAME = "manifest.json"
 RUN_DIR_ENV = "EYRIE_RUN_DIR"
@@ -40,6 +38,8 @@ FINGERPRINT_ENV = "EYRIE_STEP_FINGERPRINT"
 CACHE_DIR_ENV = "EYRIE_CACHE_DIR"
 SERVICE_PORT_ENV = "EYRIE_SERVICE_PORT"
 """A service's replica listens on this port (the runner chose it, free)."""
+STATE_DIR = ".eyrie"
+"""Where a run directory keeps eyrie's own files, beside the steps' folders."""
 _HASH_CHUNK = MIB
 
 
@@ -47,6 +47,12 @@ def service_urls_env(service: str) -> str:
     """The variable a step that uses ``service`` finds its replicas' URLs in, comma-separated:
     ``EYRIE_SERVICE_TARGET_URLS`` for ``target``."""
     return "EYRIE_SERVICE_" + re.sub(r"[^A-Z0-9]", "_", service.upper()) + "_URLS"
+
+
+def service_urls_path(run_dir: Path, service: str) -> Path:
+    """Where the runner keeps the URLs ``service``'s replicas answer at now, one per line in replica
+    order: rewritten when a replica started again answers elsewhere (a Slurm job on another node)."""
+    return Path(run_dir) / STATE_DIR / "services" / f"{service}.urls"
 
 
 def service_urls(service: str, environ: dict[str, str] | None = None) -> list[str]:
@@ -82,88 +88,6 @@ class Manifest(BaseModel):
         counts = [e.records for files in self.outputs.values() for e in files.values()]
         known = [c for c in counts if c is not None]
         return sum(known) if known else None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    """Every file under ``path`` (a file or a folder), then each folder bottom-up: after a power
-    loss the renamed name holds what was written, not a file of zeros or a missing entry."""
-    if not path.is_dir():
-        with open(path, "rb+") as fh:
-            os.fsync(fh.fileno())
-        return
-    for root, _, files in os.walk(path, topdown=False):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(Path(root))
-
-
-def temporary_name(path: str | os.PathLike[str]) -> str:
-    """What :func:`atomic_path` names ``path`` while it is written (a hidden sibling, this process's)."""
-    return f".{Path(path).name}.tmp-{os.getpid()}"
-
-
-_TEMPORARY = re.compile(r"^\.(?P<final>.+)\.tmp-\d+$")
-
-
-def final_name_of(temporary: str) -> str | None:
-    """The name a temporary of :func:`atomic_path` (any process's) stands for; None for another name.
-
-    A write killed midway leaves its temporary behind: the one process that writes a folder removes
-    what it finds this way before writing again.
-    """
-    match = _TEMPORARY.match(temporary)
-    return match.group("final") if match else None
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; on success it is fsynced and renamed onto ``path``.
-
-    A folder is fsynced whole (every file in it, and the folder) before the rename, and the parent
-    after it. On an exception the temporary file or folder is removed, so nothing half-written
-    ever sits under the final name. A folder at ``path`` is replaced only by a folder (an earlier
-    write of the same output); a file written where a folder is raises IsADirectoryError, and the
-    folder is left as it was.
-    """
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(temporary_name(final))
-    _remove(tmp)
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if final.is_dir() and not final.is_symlink() and not tmp.is_dir():
-            raise IsADirectoryError(f"{final} is a folder; write the file under another name")
-        if tmp.is_dir():
-            _remove(final)  # a folder cannot be renamed over; a file is swapped in, its name never missing
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        for child in sorted(path.rglob("*"), reverse=True):
-            child.rmdir() if child.is_dir() and not child.is_symlink() else child.unlink()
-        path.rmdir()
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def sha256_file(path: Path) -> str:
@@ -255,24 +179,6 @@ def declare_outputs(outputs: list[str | os.PathLike[str]]) -> Manifest:
     return write_manifest(step_dir, names)
 
 
-EXIT_FAILED = 1
-"""The exit status of an eyrie command (or run) that failed for a cause other than its input."""
-EXIT_BAD_INPUT = 2
-"""The exit status of every eyrie command refused for its input (an ``error:`` line says why)."""
-EXIT_INTERRUPTED = 128 + signal.SIGINT
-"""The exit status of a process stopped by SIGINT (Ctrl-C), as a shell reports it: 128 + the signal."""
-
-
-def error_lines(message: str) -> str:
-    """``message`` as every eyrie command says an error: each of its lines after ``error:``."""
-    return "\n".join(f"error: {line}" for line in message.splitlines() or [""])
-
-
-def say_error(message: str) -> None:
-    """Print ``message`` on stderr as an error (``error_lines``)."""
-    print(error_lines(message), file=sys.stderr, flush=True)
-
-
 def manifest_command(outputs: list[Path]) -> int:
     """``eyrie manifest``: the exit code; a bad output is one line, and no manifest is written."""
     from rich.console import Console
@@ -349,17 +255,16 @@ def cache_root() -> Path:
 
 __all__ = [
     "MANIFEST_NAME",
+    "STATE_DIR",
     "Manifest",
-    "atomic_path",
-    "atomic_write_text",
     "cache_root",
     "check_manifest",
     "declare_outputs",
-    "final_name_of",
     "invalidate_manifest",
     "manifest_digest",
     "read_manifest",
+    "service_urls",
+    "service_urls_path",
     "step_dir_from_env",
-    "temporary_name",
     "write_manifest",
 ]
