@@ -94,12 +94,16 @@ def main() -> None:
     text = kimi_k25().text_config
     packed = kimi_units(args.length, args.batch)
     dense = kimi_units(args.length, args.batch, dequantize=True)
-    print(f"weights held packed:  {format_size(sum(u.weights for u in packed))} "
-          f"({format_size(sum(u.packed for u in packed))} of them packed); vision tower not loaded: "
-          f"{format_size(packed.left_out)}")  # fmt: skip
+    print(
+        f"weights held packed:  {format_size(sum(u.weights for u in packed))} "
+        f"({format_size(sum(u.packed for u in packed))} of them packed); vision tower not loaded: "
+        f"{format_size(packed.left_out)}"
+    )
     print(f"weights dequantized:  {format_size(sum(u.weights for u in dense))}")
-    print(f"draft (K=7, {args.batch} x {args.length} tokens, vocabulary {DRAFT_VOCAB}): "
-          f"{format_size(draft_of(text, args.length, args.batch))}")  # fmt: skip
+    print(
+        f"draft (K=7, {args.batch} x {args.length} tokens, vocabulary {DRAFT_VOCAB}): "
+        f"{format_size(draft_of(text, args.length, args.batch))}"
+    )
     print(f"GPUs: {GPUS} x {format_size(GPU_BYTES)}, {format_size(GPUS * (GPU_BYTES - CONTEXT))} free in all")
     per_token = bytes_per_token(text.hidden_size, torch.bfloat16)
     disk = format_size(per_token * args.tokens)

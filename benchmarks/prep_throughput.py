@@ -95,7 +95,7 @@ def ours(catalog: Path, folder: Path, template: str, work: Path, workers: int | 
             chat_template=template,
             max_length=1 << 20,
             workers=workers,
-        )  # fmt: skip
+        )
         == 0
     )
     return time.perf_counter() - started, prep_dir / "native.jsonl"

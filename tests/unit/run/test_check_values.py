@@ -19,9 +19,14 @@ def target_config_only(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("target")
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     config.save_pretrained(folder)
     return folder
 

@@ -14,20 +14,35 @@ from pipeline.steps.eagle3.export import WEIGHTS, export_draft, load_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config
 
 LLAMA3 = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-}  # fmt: skip
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 YARN = {
-    "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 64,
-    "beta_fast": 32.0, "beta_slow": 1.0,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 
 def _target(**overrides) -> LlamaConfig:
     values = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return LlamaConfig(**{**values, **overrides})
 
 
@@ -80,19 +95,34 @@ def test_the_layers_trained_on_must_be_the_layers_the_config_states(tmp_path):
 
 def test_an_mla_target_gets_grouped_query_attention_not_its_latent_layout():
     kimi_like = DeepseekV3Config(
-        vocab_size=512, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
-        num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
     config = draft_config(kimi_like, 32000, [1, 29, 57])
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (56, 8, 128)
     # per token, the draft's KV cache holds 2 x 8 x 128 values instead of 2 x 64 x 64
     assert 2 * config.num_key_value_heads * config.head_dim * 4 == 2 * 64 * kimi_like.head_dim
     assert config.hidden_size == 7168 and config.target_hidden_size == 7168
     narrow = DeepseekV3Config(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=4,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_hidden_layers=4,
+    )
     config = draft_config(narrow, 64, [0, 1, 2])
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 4, 8)
 

@@ -37,16 +37,35 @@ INT4_EXPERTS = {
     "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$"],
 }
 MOE = DeepseekV3Config(
-    vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-    num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=32, num_experts_per_tok=4,
-    n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=8, num_key_value_heads=8,
-    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 LLAMA = LlamaConfig(
-    vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=8, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
 
 
 def quantized(config, quantization: dict):

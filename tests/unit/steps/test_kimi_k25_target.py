@@ -125,10 +125,22 @@ def test_the_wrapper_is_checked_on_its_language_model(kimi, shards):
 @pytest.mark.parametrize("placement", ["sharded", "offline"])
 def test_a_draft_trains_against_the_packed_wrapper_and_loads_strictly(kimi, shards, tmp_path, placement):
     cfg = TrainConfig(
-        data=shards, target=kimi, out_dir=tmp_path / "train", trust_remote_code=True, draft_vocab_size=64,
-        ttt_steps=2, layer_ids=[0, 1, 2], batch_size=2, max_steps=2, heldout_fraction=0.2,
-        checkpoint_every=100, threads=1, target_placement=placement, eval_prompts=1, eval_max_new_tokens=3,
-    )  # fmt: skip
+        data=shards,
+        target=kimi,
+        out_dir=tmp_path / "train",
+        trust_remote_code=True,
+        draft_vocab_size=64,
+        ttt_steps=2,
+        layer_ids=[0, 1, 2],
+        batch_size=2,
+        max_steps=2,
+        heldout_fraction=0.2,
+        checkpoint_every=100,
+        threads=1,
+        target_placement=placement,
+        eval_prompts=1,
+        eval_max_new_tokens=3,
+    )
     assert worker(cfg) == 0  # trains, exports the draft, decodes a held-out prompt with the packed target
     report = json.loads((tmp_path / "train" / "eval.json").read_text())
     assert report["optimizer_steps"] == 2 and report["speculative_decoding"]["acceptance_length"]

@@ -30,12 +30,26 @@ def small() -> GlmMoeDsaConfig:
     """The release's config at a size a test builds in a moment: its layout (dense first layers,
     routed and shared experts, the indexer) and its quantization as shipped."""
     sizes = {
-        "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
-        "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
-        "num_experts_per_tok": 4, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 48, "v_head_dim": 64, "head_dim": 16, "index_head_dim": 32, "index_n_heads": 4,
-        "index_topk": 64, "max_position_embeddings": 4096,
-    }  # fmt: skip
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 48,
+        "v_head_dim": 64,
+        "head_dim": 16,
+        "index_head_dim": 32,
+        "index_n_heads": 4,
+        "index_topk": 64,
+        "max_position_embeddings": 4096,
+    }
     return GlmMoeDsaConfig(**{**SHIPPED, **sizes})
 
 

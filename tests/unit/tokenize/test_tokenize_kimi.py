@@ -195,9 +195,18 @@ def test_eyrie_tokenize_with_the_targets_own_tokenizer_and_template(
 ):
     out = tmp_path / "tok"
     eyrie(
-        "tokenize", "--tokenizer", str(kimi_k25), "--trust-remote-code", "--conversations",
-        str(conversations_file), "--out-dir", str(out), "--workers", "2", check=True,
-    )  # fmt: skip
+        "tokenize",
+        "--tokenizer",
+        str(kimi_k25),
+        "--trust-remote-code",
+        "--conversations",
+        str(conversations_file),
+        "--out-dir",
+        str(out),
+        "--workers",
+        "2",
+        check=True,
+    )
     stats = read_manifest(out).stats
     assert stats["mask_method"] == "message_probes" and stats["totals"]["spans_from_prefixes"] == 0
     lines = conversations_file.read_text(encoding="utf-8").splitlines()

@@ -84,12 +84,17 @@ def test_kimi_mask_covers_reasoning_tool_calls_and_end_of_turn_only(kimi_tokeniz
             "role": "assistant",
             "content": "",
             "reasoning_content": "use df",
-            "tool_calls": [{"id": "functions.terminal:0", "type": "function",
-                            "function": {"name": "terminal", "arguments": '{"command": "df"}'}}],
+            "tool_calls": [
+                {
+                    "id": "functions.terminal:0",
+                    "type": "function",
+                    "function": {"name": "terminal", "arguments": '{"command": "df"}'},
+                }
+            ],
         },
         {"role": "tool", "content": "468G free", "tool_call_id": "functions.terminal:0"},
         {"role": "assistant", "content": "468 GB free."},
-    ]  # fmt: skip
+    ]
     ((ids, mask, _),) = tokenizer.encode_batch([(messages, None)])
     decode = tokenizer.hf.decode
     masked = decode([i for i, m in zip(ids, mask, strict=True) if m])

@@ -28,9 +28,22 @@ def test_a_conversation_whose_prefixes_render_otherwise_is_named_by_file_and_lin
     conversations.write_text(
         "".join(json.dumps({"conversations": c}) + "\n" for c in [asked, opened_by_an_answer, asked])
     )
-    argv = [sys.executable, "-m", "pipeline.cli", "tokenize", "--tokenizer", str(tiny_tokenizer),
-            "--conversations", str(conversations), "--chat-template", str(template),
-            "--out-dir", str(tmp_path / "out"), "--workers", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "tokenize",
+        "--tokenizer",
+        str(tiny_tokenizer),
+        "--conversations",
+        str(conversations),
+        "--chat-template",
+        str(template),
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--workers",
+        "1",
+    ]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, result.stdout
     said = " ".join(result.stdout.split() + result.stderr.split())

@@ -104,8 +104,9 @@ def test_truncation_counts_the_assistant_tokens_it_drops(prepped, tiny_tokenizer
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_invalid_utf8_is_one_line_naming_the_file_and_line(workers, tiny_tokenizer, tmp_path, capsys):
-    good = json.dumps({"conversations": [{"role": "user", "content": "hi"},
-                                         {"role": "assistant", "content": "caf\u00e9"}]})  # fmt: skip
+    good = json.dumps(
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "caf\u00e9"}]}
+    )
     bad = tmp_path / "conversations.jsonl"
     bad.write_bytes(good.encode() + b"\n" + good.replace("\\u00e9", "\xe9").encode("latin-1") + b"\n")
     out = tmp_path / "out"
@@ -157,11 +158,24 @@ def test_a_pretokenized_file_without_ids_gets_the_ids_prep_gives(prepped, tiny_t
 
 def test_kimi_template_on_a_tokenizer_without_its_tokens_is_refused(prepped, tiny_tokenizer, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "tokenize", "--tokenizer", str(tiny_tokenizer),
-         "--conversations", str(prepped / "native.jsonl"), "--chat-template", "kimi-k2",
-         "--out-dir", str(tmp_path / "tok")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "tokenize",
+            "--tokenizer",
+            str(tiny_tokenizer),
+            "--conversations",
+            str(prepped / "native.jsonl"),
+            "--chat-template",
+            "kimi-k2",
+            "--out-dir",
+            str(tmp_path / "tok"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     err = " ".join(result.stderr.split())
     assert "chat template 'kimi-k2' writes <|im_assistant|>" in err and "does not have as tokens" in err
@@ -188,8 +202,11 @@ def test_worker_processes_give_the_same_shards_as_one_process(prepped, answered,
 
 
 def test_a_bad_record_fails_the_step_from_a_worker_too(tiny_tokenizer, tmp_path, capsys):
-    lines = [json.dumps({"conversations": [{"role": "user", "content": "hi"},
-                                           {"role": "assistant", "content": "hello"}]})] * 600  # fmt: skip
+    lines = [
+        json.dumps(
+            {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+        )
+    ] * 600
     lines.insert(555, "not json")
     bad = tmp_path / "conversations.jsonl"
     bad.write_text("\n".join(lines) + "\n")
@@ -230,7 +247,7 @@ def test_a_tokenizer_folder_that_is_missing_or_empty_is_named_as_such(prepped, t
         "./nope": "--tokenizer ./nope: no such folder",
         str(tmp_path / "empty"): f"--tokenizer {tmp_path / 'empty'}: no tokenizer files in it (expected one "
         "of tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, vocab.json)",
-    }  # fmt: skip
+    }
     for number, (given, said) in enumerate(cases.items()):
         assert run_tokenize(given, conversations, [], tmp_path / f"out{number}") == 2
         err = " ".join(capsys.readouterr().err.split())

@@ -103,9 +103,17 @@ def test_the_worker_decides_the_format_once_and_builds_the_target_on_meta_once(t
         tmp_path / "data" / "shard-00000.parquet",
     )
     cfg = TrainConfig(
-        data=tmp_path / "data", target=target, out_dir=tmp_path / "out", target_placement=where,
-        draft_vocab_size=64, ttt_steps=2, batch_size=2, max_steps=1, threads=1, heldout_fraction=0.25,
-    )  # fmt: skip
+        data=tmp_path / "data",
+        target=target,
+        out_dir=tmp_path / "out",
+        target_placement=where,
+        draft_vocab_size=64,
+        ttt_steps=2,
+        batch_size=2,
+        max_steps=1,
+        threads=1,
+        heldout_fraction=0.25,
+    )
     decided = _counted(monkeypatch, "target_format", (loop, placement, target_load))
     built = _counted(monkeypatch, "meta_target", (loop, placement, target_load))
     result = loop.build(cfg, 1, None, lambda line: None)

@@ -186,9 +186,17 @@ def test_eyrie_tokenize_takes_a_gguf_file_with_its_own_template(
 ):
     out = tmp_path / "tok"
     eyrie(
-        "tokenize", "--tokenizer", str(smollm2), "--conversations", str(answered), "--out-dir", str(out),
-        "--workers", "1", check=True,
-    )  # fmt: skip
+        "tokenize",
+        "--tokenizer",
+        str(smollm2),
+        "--conversations",
+        str(answered),
+        "--out-dir",
+        str(out),
+        "--workers",
+        "1",
+        check=True,
+    )
     ok, why = check_manifest(out, ["shards"])
     assert ok, why
     row = pq.read_table(sorted((out / "shards").glob("shard-*.parquet"))[0]).slice(0, 1).to_pylist()[0]

@@ -34,9 +34,16 @@ def int4_target(tmp_path_factory):
     folder = tmp_path_factory.mktemp("int4") / "target"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).eval()
     tokens = torch.randint(2, 128, (1, 16))
     with torch.no_grad():
@@ -45,10 +52,15 @@ def int4_target(tmp_path_factory):
         targets=["Linear"],
         weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP),
     )
-    apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
-        quantization_status="frozen",
-    ))  # fmt: skip
+    apply_quantization_config(
+        model,
+        QuantizationConfig(
+            config_groups={"group_0": scheme},
+            ignore=["lm_head"],
+            format="pack-quantized",
+            quantization_status="frozen",
+        ),
+    )
     for module in model.modules():
         if hasattr(module, "weight_scale"):  # symmetric scales from each group's largest weight
             largest = module.weight.detach().reshape(module.weight.shape[0], -1, GROUP).abs().amax(-1)
@@ -92,11 +104,22 @@ def test_a_draft_trains_against_the_quantized_target(int4_target, tmp_path):
     generator = torch.Generator().manual_seed(1)
     rows = [torch.randint(2, 128, (24,), generator=generator).tolist() for _ in range(16)]
     (tmp_path / "shards").mkdir()
-    pq.write_table(pa.table({"input_ids": rows, "loss_mask": [[0] * 8 + [1] * 16] * 16}),
-                   tmp_path / "shards" / "shard-00000.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"input_ids": rows, "loss_mask": [[0] * 8 + [1] * 16] * 16}),
+        tmp_path / "shards" / "shard-00000.parquet",
+    )
     cfg = TrainConfig(
-        data=tmp_path / "shards", target=folder, out_dir=tmp_path / "train", draft_vocab_size=64, ttt_steps=2,
-        layer_ids=[1, 2, 3], batch_size=2, max_steps=3, heldout_fraction=0.0, checkpoint_every=100, threads=1,
-    )  # fmt: skip
+        data=tmp_path / "shards",
+        target=folder,
+        out_dir=tmp_path / "train",
+        draft_vocab_size=64,
+        ttt_steps=2,
+        layer_ids=[1, 2, 3],
+        batch_size=2,
+        max_steps=3,
+        heldout_fraction=0.0,
+        checkpoint_every=100,
+        threads=1,
+    )
     result = train(cfg, log=lambda _: None)
     assert result["summary"]["optimizer_steps"] == 3 and result["summary"]["final"]["loss"] > 0
