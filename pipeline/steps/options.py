@@ -291,6 +291,39 @@ def settings_options(
     return decorate
 
 
+def settings_keywords(model: type[BaseModel]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Let a step's entry, which takes its settings whole (its keyword ``settings``, a ``model``), be
+    called with them one by one instead: each field of ``model`` is a keyword of it, whose default is
+    the model's (as the model holds it, its validators run), so that the defaults are stated once, in
+    the model; ``settings=`` still hands a model whole, and the entry's other arguments stay its own.
+    Every field of ``model`` has a default."""
+    defaults = model()
+
+    def decorate(run: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(run)
+        declared = [p for p in signature.parameters.values() if p.name != "settings"]
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        positional = [p for p in declared if p.kind is not keyword]
+        whole = inspect.Parameter("settings", keyword, default=None, annotation=model | None)
+        fields = [
+            inspect.Parameter(name, keyword, default=getattr(defaults, name), annotation=field.annotation)
+            for name, field in model.model_fields.items()
+        ]
+
+        @functools.wraps(run)
+        def with_keywords(*args: Any, settings: BaseModel | None = None, **given: Any) -> Any:
+            own = {name: given.pop(name) for name in list(given) if name not in model.model_fields}
+            if settings is not None and given:
+                raise TypeError(f"{run.__name__}: give the settings whole or one by one, not both")
+            return run(*args, settings=model(**given) if settings is None else settings, **own)
+
+        parameters = [*positional, whole, *fields, *(p for p in declared if p.kind is keyword)]
+        with_keywords.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        return with_keywords
+
+    return decorate
+
+
 def _option_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str, int]:
     """The setting a value at ``loc`` (a pydantic error's) is, and how many of loc's parts name it
     (two in a group); ``""`` for the model as a whole."""

@@ -11,7 +11,8 @@ HELDOUT_FRACTION = 0.05
 """The share of tokenized rows held out by default (``shards.split_heldout``): train evaluates on
 them, and accept measures on the same ones."""
 MAX_LENGTH = 2048
-"""Tokenized rows are cut to this many tokens by default, in training and in accept alike."""
+"""Rows are cut to this many tokens by default, by tokenize, in training and in accept alike: a row
+tokenize keeps is the row training reads, and accept finds the rows training held out."""
 POSITION_PREFIX = "#"
 """Starts the ``source_id`` of a row without an id of its own, before its index in the source."""
 

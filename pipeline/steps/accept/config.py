@@ -1,19 +1,22 @@
 """``eyrie accept``'s settings: its options, with these names (``cli.py`` derives them from here),
-checked as they are read. The held-out rows are the ones training held out, so their defaults are
+checked as they are read; ``AcceptRun`` is what ``measure.run_accept`` runs with, these settings and
+what the command grants. The held-out rows are the ones training held out, so their defaults are
 training's (``steps/records.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.steps.accept.measure import Engine, Settings
 from pipeline.steps.accept.sets import BENCHMARKS, HELDOUT
 from pipeline.steps.options import Cli, Duration
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
+from pipeline.steps.retry import Retry
 from pipeline.steps.sglang import Parsers, Speculation
+
+Engine = Literal["sglang", "chain"]
 
 
 class AcceptConfig(BaseModel):
@@ -27,7 +30,7 @@ class AcceptConfig(BaseModel):
     """The target: a model folder or a hub id."""
     data: Path | None = None
     """The tokenize step's shards: their held-out rows are the 'heldout' set."""
-    bench: list[str] = []
+    bench: list[str] = Field([], validate_default=True)
     """Prompt sets, each measured on its own: mtbench, humaneval (eyrie's bench extra), heldout, or a
     FILE.jsonl of conversations ({messages|conversations: [{role, content}]}); none: heldout."""
     engine: Engine = "sglang"
@@ -62,18 +65,19 @@ class AcceptConfig(BaseModel):
     @field_validator("bench")
     @classmethod
     def _known_sets(cls, bench: list[str]) -> list[str]:
-        """A name is checked before any work (``--check`` included); a file's lines when it is read."""
+        """A name is checked before any work (``--check`` included); a file's lines when it is read.
+        None named: the held-out rows, so that the settings hold the sets that are measured."""
         for name in bench:
             if name not in BENCHMARKS and name != HELDOUT and not name.endswith(".jsonl"):
                 known = ", ".join([*BENCHMARKS, HELDOUT])
                 raise ValueError(
                     f"{name!r} is not a set eyrie knows ({known}) nor a FILE.jsonl of conversations"
                 )
-        return bench
+        return bench or [HELDOUT]
 
     @model_validator(mode="after")
     def _what_the_engine_runs(self) -> AcceptConfig:
-        if self.data is None and (not self.bench or HELDOUT in self.bench):
+        if self.data is None and HELDOUT in self.bench:
             raise ValueError("--data: the held-out rows are the prompts when --bench names no other set")
         if self.engine == "sglang" and self.tp < 1:
             raise ValueError(f"--tp {self.tp}: SGLang spans at least one GPU")
@@ -84,24 +88,30 @@ class AcceptConfig(BaseModel):
             )
         return self
 
-    def settings(self, *, trust_remote_code: bool, release_target: str | None) -> Settings:
+    @property
+    def speculation(self) -> Speculation:
+        """The speculative decoding asked for: SGLang's --speculative-* flags."""
+        return Speculation(self.draft, self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def parsers(self) -> Parsers:
+        """Those of the server generate asked, so that accept's servers are started as the target is
+        served (they split chat answers; the token ids ``/generate`` returns are the same without)."""
+        return Parsers(self.reasoning_parser, self.tool_call_parser)
+
+    def settings(self, *, trust_remote_code: bool, release_target: str | None) -> AcceptRun:
         """What ``run_accept`` runs with: these settings, with the permissions the command grants."""
-        return Settings(
-            draft=self.draft,
-            target=self.target,
-            data=self.data,
-            bench=self.bench or [HELDOUT],
-            engine=self.engine,
-            speculation=Speculation(self.draft, self.num_steps, self.topk, self.num_draft_tokens),
-            heldout_fraction=self.heldout_fraction,
-            max_length=self.max_length,
-            prompts=self.prompts,
-            max_new_tokens=self.max_new_tokens,
-            concurrency=self.concurrency,
-            tp=self.tp,
-            trust_remote_code=trust_remote_code,
-            release_target=release_target,
-            startup_timeout_s=self.startup_timeout_s,
-            request_timeout_s=self.request_timeout_s,
-            parsers=Parsers(self.reasoning_parser, self.tool_call_parser),
-        )
+        return AcceptRun(**dict(self), trust_remote_code=trust_remote_code, release_target=release_target)
+
+
+class AcceptRun(AcceptConfig):
+    """What ``run_accept`` runs with: the settings, and what the command grants beside them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    trust_remote_code: bool = False
+    """Run the code the target ships (the command's --trust-remote-code)."""
+    release_target: str | None = None
+    """URL of an SGLang server whose GPU memory the step takes meanwhile (``sglang.gpus_released``)."""
+    retry: Retry = Field(default_factory=Retry)
+    """Of each request to a server: a transient fault (refused, reset, timed out, 5xx) is sent again."""

@@ -32,28 +32,24 @@ Writes ``accept.json`` and the step's manifest (both figures in its stats, which
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from rich.console import Console
 
 from pipeline.contract.atomic import atomic_write_text
 from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED, say_error
 from pipeline.contract.step import step_dir_from_env, write_manifest
+from pipeline.steps.accept.config import AcceptRun
 from pipeline.steps.accept.sets import HELDOUT, SetError, read_set, rendered
-from pipeline.steps.retry import Retry
 from pipeline.steps.serve import ServeError
 from pipeline.steps.sglang import (
-    Parsers,
     SGLangRefused,
     SGLangUnavailable,
-    Speculation,
     Terminated,
     generate,
     gpus_released,
@@ -67,35 +63,8 @@ CHAIN_PROGRESS_EVERY = 4
 """Prompts between the chain engine's progress lines (a prompt takes seconds on a CPU)."""
 # SpecForge's own benchmark averages per-request means instead: a short answer weighs as much as a long one.
 ACCEPT_LENGTH_IS = "pooled over requests: completion tokens / verifying forwards, as SGLang and vLLM count it"
-Engine = Literal["sglang", "chain"]
 
 console = Console(stderr=True, soft_wrap=True)
-
-
-@dataclass
-class Settings:
-    draft: Path
-    target: str
-    data: Path | None
-    engine: Engine
-    speculation: Speculation
-    heldout_fraction: float
-    max_length: int
-    prompts: int
-    max_new_tokens: int
-    concurrency: int
-    tp: int
-    trust_remote_code: bool
-    release_target: str | None
-    startup_timeout_s: float
-    request_timeout_s: float
-    bench: list[str] = field(default_factory=lambda: [HELDOUT])
-    """The prompt sets, in order (``sets.py``)."""
-    retry: Retry = field(default_factory=Retry)
-    """Of each request to a server: a transient fault (refused, reset, timed out, 5xx) is sent again."""
-    parsers: Parsers = Parsers()
-    """Those of the server generate asked, so that accept's servers are started as the target is
-    served (they split chat answers; the token ids ``/generate`` returns are the same without)."""
 
 
 class AcceptError(ValueError):
@@ -106,7 +75,7 @@ class DecodingMismatch(RuntimeError):
     """Speculative decoding changed the target's greedy output: a bug, the step fails."""
 
 
-def check(settings: Settings) -> None:
+def check(settings: AcceptRun) -> None:
     """The inputs: the draft, the rows, the target, and the draft made for it (the settings
     themselves are checked as they are read, by ``config.AcceptConfig``)."""
     if not (settings.draft / "config.json").is_file():
@@ -126,7 +95,7 @@ def check(settings: Settings) -> None:
         raise AcceptError(f"--draft {exc}") from None
 
 
-def heldout_prompts(settings: Settings) -> list[list[int]]:
+def heldout_prompts(settings: AcceptRun) -> list[list[int]]:
     """The prompts (tokens before the first assistant token) of the rows training held out."""
     from pipeline.steps.eagle3.decoding import prompt_of
     from pipeline.steps.shards import load_shards, split_heldout
@@ -146,7 +115,7 @@ def heldout_prompts(settings: Settings) -> list[list[int]]:
     return prompts
 
 
-def _tokenizer(settings: Settings):
+def _tokenizer(settings: AcceptRun):
     try:
         return load_tokenizer(
             settings.target, trust_remote_code=settings.trust_remote_code, option="--target"
@@ -155,7 +124,7 @@ def _tokenizer(settings: Settings):
         raise AcceptError(str(exc)) from None
 
 
-def prompt_sets(settings: Settings) -> dict[str, list[list[int]]]:
+def prompt_sets(settings: AcceptRun) -> dict[str, list[list[int]]]:
     """Each set's first ``prompts`` prompts as token ids. Every set is read before the tokenizer
     loads, so that a bad file is said at once."""
     try:
@@ -214,7 +183,7 @@ Measured = dict[str, tuple[Tally, Tally]]
 """Each set's tallies: with the draft, then without."""
 
 
-def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> Tally:
+def _server_run(url: str, prompts: list[list[int]], settings: AcceptRun) -> Tally:
     """Every prompt through ``url``, ``concurrency`` in flight, after one warm-up request."""
 
     def complete(prompt: list[int], max_new_tokens: int) -> dict:
@@ -229,7 +198,7 @@ def _server_run(url: str, prompts: list[list[int]], settings: Settings) -> Tally
     return Tally(seconds, tokens, sum(m.get("spec_verify_ct", 0) for m in metas))
 
 
-def measure_sglang(settings: Settings, sets: dict[str, list[list[int]]], logs: Path) -> Measured:
+def measure_sglang(settings: AcceptRun, sets: dict[str, list[list[int]]], logs: Path) -> Measured:
     runs: dict[str, dict[str, Tally]] = {name: {} for name in sets}
     with gpus_released(settings.release_target, logs, retry=settings.retry):
         for name, speculation in (("speculative", settings.speculation), ("baseline", None)):
@@ -257,7 +226,7 @@ def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
 
 
 def _chain_set(
-    name: str, target, draft, prompts: list[list[int]], k: int, settings: Settings
+    name: str, target, draft, prompts: list[list[int]], k: int, settings: AcceptRun
 ) -> tuple[Tally, Tally]:
     """One set at batch 1: each prompt decoded with the draft and by the target's own ``generate``,
     each timed, taking turns (which goes first alternates), so a machine busier at one moment weighs
@@ -293,7 +262,7 @@ def _chain_set(
     return spec, Tally(seconds["baseline"], sum(map(len, baseline)))
 
 
-def measure_chain(settings: Settings, sets: dict[str, list[list[int]]]) -> Measured:
+def measure_chain(settings: AcceptRun, sets: dict[str, list[list[int]]]) -> Measured:
     """The cached chain loop against the target's own greedy ``generate`` on the same prompts, one
     request at a time (batch 1), wall-clock."""
     import torch
@@ -328,7 +297,7 @@ def _figures(speculative: Tally, baseline: Tally, k: int) -> dict:
     }
 
 
-def _result(settings: Settings, sets: dict[str, list[list[int]]], measured: Measured) -> dict:
+def _result(settings: AcceptRun, sets: dict[str, list[list[int]]], measured: Measured) -> dict:
     """accept.json: the figures pooled over every set's requests, and each set's own."""
     spec = settings.speculation
     pooled = [sum(tallies, Tally()) for tallies in zip(*measured.values(), strict=True)]
@@ -354,7 +323,7 @@ def _say(message: str) -> None:
     console.print(f"eyrie accept: {message}", markup=False, highlight=False)
 
 
-def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
+def run_accept(settings: AcceptRun, out_dir: Path | None = None) -> int:
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     try:
         check(settings)
@@ -369,7 +338,7 @@ def run_accept(settings: Settings, out_dir: Path | None = None) -> int:
             f"{served.num_draft_tokens} tokens verified per target forward, not --num-draft-tokens "
             f"{settings.speculation.num_draft_tokens} (as SGLang runs it)"
         )
-        settings = dataclasses.replace(settings, speculation=served)
+        settings = settings.model_copy(update={"num_draft_tokens": served.num_draft_tokens})
     try:
         if settings.engine == "sglang":
             measured = measure_sglang(settings, sets, step_dir)

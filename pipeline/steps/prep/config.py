@@ -7,11 +7,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.steps.options import Cli
-from pipeline.steps.prep.run import DEFAULT_WORKER_MEMORY
 
 
 class PrepConfig(BaseModel):
-    """What ``run_prep`` runs with beside its catalog and output folder (its keyword arguments)."""
+    """What ``run_prep`` runs with beside its catalog and output folder (its ``settings``)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -23,7 +22,7 @@ class PrepConfig(BaseModel):
     """Shuffle seed (default: the catalog's)."""
     workers: int | None = None
     """At most this many sources at once (default: what memory allows)."""
-    worker_memory: Annotated[str, Cli(metavar="SIZE")] = DEFAULT_WORKER_MEMORY
+    worker_memory: Annotated[str, Cli(metavar="SIZE")] = "512MiB"
     """Memory one source's worker may use; divides the budget into workers."""
 
     @field_validator("quota")

@@ -35,7 +35,9 @@ from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.contract.step import invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.memory.budget import plan_workers
 from pipeline.memory.units import format_size, parse_size
+from pipeline.steps.options import settings_keywords
 from pipeline.steps.prep.catalog import Catalog, CatalogError, load_catalog
+from pipeline.steps.prep.config import PrepConfig
 from pipeline.steps.prep.sources import (
     SourceResult,
     kind_of,
@@ -51,7 +53,6 @@ NATIVE = "native.jsonl"
 NATIVE_TOKENIZED = "native_tokenized.parquet"
 OUTPUTS = [PROMPTS, NATIVE, NATIVE_TOKENIZED]
 PARTS_DIR = ".parts"
-DEFAULT_WORKER_MEMORY = "512MiB"
 SCHEMA_PROBE_ROWS = 100
 
 console = Console(stderr=True)
@@ -271,25 +272,22 @@ def unreachable_hub(hub_sources: list[str]) -> str | None:
     return None
 
 
+@settings_keywords(PrepConfig)
 def run_prep(
     catalog_path: Path | None,
     out_dir: Path | None = None,
     *,
-    offline: bool = False,
-    seed: int | None = None,
-    quota: int | None = None,
-    workers: int | None = None,
-    worker_memory: str = DEFAULT_WORKER_MEMORY,
+    settings: PrepConfig,
     probe_rows: int = SCHEMA_PROBE_ROWS,
 ) -> int:
-    """Run the step; returns the exit code: 0 done; 2 bad input (the catalog, its options or a
-    source's data); 1 failed otherwise (a reader or the hub, a worker killed). Every output is
-    complete before the manifest is written.
-
-    ``quota``: at most that many records from each source (the catalog's own quotas when None).
-    """
+    """Run the step with ``settings`` (or its fields, as keywords); returns the exit code: 0 done;
+    2 bad input (the catalog, its options or a source's data); 1 failed otherwise (a reader or the
+    hub, a worker killed). Every output is complete before the manifest is written."""
+    offline = settings.offline
     try:
-        catalog, hub_sources, memory_per_worker = _checked_inputs(catalog_path, quota, offline, worker_memory)
+        catalog, hub_sources, memory_per_worker = _checked_inputs(
+            catalog_path, settings.quota, offline, settings.worker_memory
+        )
     except (CatalogError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return EXIT_BAD_INPUT
@@ -300,10 +298,10 @@ def run_prep(
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
-    seed = catalog.seed if seed is None else seed
+    seed = catalog.seed if settings.seed is None else settings.seed
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     parts = _empty_parts_dir(step_dir)
-    count, slices, facts = _plan_parallel(catalog, memory_per_worker, workers)
+    count, slices, facts = _plan_parallel(catalog, memory_per_worker, settings.workers)
     results = run_sources(catalog, parts, offline, count, slices, probe_rows)
 
     failed = [r for r in results if r.error or not r.accepted]

@@ -37,8 +37,10 @@ from pipeline.contract.atomic import atomic_path
 from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from pipeline.contract.step import invalidate_manifest, step_dir_from_env, write_manifest
 from pipeline.memory import parse_size, plan_workers
+from pipeline.steps.options import settings_keywords
 from pipeline.steps.records import position_id, record_id, tokens_key
-from pipeline.steps.tokenize.chat_template import OWN_TEMPLATE, ChatTemplate, TokenizeError
+from pipeline.steps.tokenize.chat_template import ChatTemplate, TokenizeError
+from pipeline.steps.tokenize.config import TokenizeConfig
 from pipeline.steps.tokenize.rows import Counts, InputError, Line, Record, Rows, read_lines
 from pipeline.steps.tokenize.tokenizer import Tokenizer
 
@@ -46,10 +48,7 @@ if TYPE_CHECKING:
     from pipeline.steps.shards import ShardWriter
 
 SHARDS = "shards"
-DEFAULT_MAX_LENGTH = 4096
-DEFAULT_SHARD_ROWS = 8192
 BATCH = 256
-DEFAULT_WORKER_MEMORY = "256MiB"
 CHECKED_CONVERSATIONS = 256
 """A converted tokenizer is checked against the target's own on this many conversations of each
 file before any is tokenized: one batch, enough for a split pattern that differs to show (contractions,
@@ -133,30 +132,29 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
+@settings_keywords(TokenizeConfig)
 def run_tokenize(
     target: str,
     conversations: list[Path],
     tokenized: list[Path],
     out_dir: Path | None = None,
     *,
-    chat_template: str = OWN_TEMPLATE,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    shard_rows: int = DEFAULT_SHARD_ROWS,
-    workers: int | None = None,
-    worker_memory: str = DEFAULT_WORKER_MEMORY,
+    settings: TokenizeConfig,
     trust_remote_code: bool = False,
 ) -> int:
-    """Run the step; returns the exit code. ``target``: a model folder or a hub id."""
+    """Run the step with ``settings`` (or its fields, as keywords); returns the exit code.
+    ``target``: a model folder or a hub id."""
+    max_length = settings.max_length
     try:
-        per_worker = _checked_inputs(conversations, tokenized, worker_memory)
-        encoder = Tokenizer(target, chat_template, trust_remote_code)
+        per_worker = _checked_inputs(conversations, tokenized, settings.worker_memory)
+        encoder = Tokenizer(target, settings.chat_template, trust_remote_code)
         checked = encoder.check_against_own(
             line for path in conversations for line in islice(read_lines(path), CHECKED_CONVERSATIONS)
         )
     except TokenizeError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return EXIT_BAD_INPUT
-    worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, workers)
+    worker_count, worker_facts = plan_workers(len(os.sched_getaffinity(0)), per_worker, settings.workers)
     encoders = Encoders(encoder, worker_count)
     step_dir = Path(out_dir) if out_dir else step_dir_from_env()
     invalidate_manifest(step_dir)
@@ -174,7 +172,7 @@ def run_tokenize(
     try:
         with encoders, progress:
             tables = _tables(encoders, conversations, tokenized, max_length, progress)
-            writer = _write_shards(tables, step_dir / SHARDS, shard_rows, per_source)
+            writer = _write_shards(tables, step_dir / SHARDS, settings.shard_rows, per_source)
     except TokenizeError as exc:
         _print_counts(per_source)
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)

@@ -4,7 +4,6 @@ server (``tests/fakes/fake_sglang.py``); a real SGLang needs a GPU, which these 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -26,12 +25,13 @@ from pipeline.cli import app
 from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.contract.step import read_manifest
 from pipeline.steps.accept import measure
-from pipeline.steps.accept.measure import Settings, _server_run
+from pipeline.steps.accept.config import AcceptRun
+from pipeline.steps.accept.measure import _server_run
 from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.generate.client import Retry
-from pipeline.steps.sglang import Parsers, Speculation
+from pipeline.steps.sglang import Parsers
 
 EYRIE = [sys.executable, "-m", "pipeline.cli"]
 
@@ -140,26 +140,26 @@ def test_chain_needs_one_chain_of_num_steps_plus_one(run_inputs, tmp_path):
     assert not (tmp_path / "accept.json").exists()
 
 
-def _sglang_settings(inputs: dict[str, Path], **changes) -> Settings:
-    settings = Settings(
+def _sglang_settings(inputs: dict[str, Path], **changes) -> AcceptRun:
+    settings = AcceptRun(
         draft=inputs["draft"],
         target=str(inputs["target"]),
         data=inputs["data"],
         engine="sglang",
-        speculation=Speculation(inputs["draft"], 3, 1, 4),
+        num_steps=3,
+        topk=1,
+        num_draft_tokens=4,
         heldout_fraction=0.3,
         max_length=64,
         prompts=3,
         max_new_tokens=30,
         concurrency=2,
         tp=1,
-        trust_remote_code=False,
-        release_target=None,
         startup_timeout_s=10,
         request_timeout_s=10,
         retry=Retry(base_s=0.0, cap_s=0.0),
     )
-    return dataclasses.replace(settings, **changes)
+    return settings.model_copy(update=changes)
 
 
 class Served(list):
@@ -254,13 +254,13 @@ def test_chain_accept_length_is_pooled_over_requests_against_the_targets_own_gen
 
 def test_accept_records_the_speculation_sglang_runs(run_inputs, served, tmp_path, capsys):
     """With topk 1 SGLang v0.5.12 verifies num_steps + 1 tokens whatever num_draft_tokens says."""
-    settings = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 1, 4))
+    settings = _sglang_settings(run_inputs, num_steps=5)
     assert measure.run_accept(settings, tmp_path) == 0
     assert served[0].num_draft_tokens == 6 and served[1] is None  # with the draft, then without
     report = json.loads((tmp_path / "accept.json").read_text())
     assert (report["num_steps"], report["topk"], report["num_draft_tokens"]) == (5, 1, 6)
     assert "6 tokens verified per target forward, not --num-draft-tokens 4" in capsys.readouterr().err
-    branching = _sglang_settings(run_inputs, speculation=Speculation(run_inputs["draft"], 5, 4, 16))
+    branching = _sglang_settings(run_inputs, num_steps=5, topk=4, num_draft_tokens=16)
     assert measure.run_accept(branching, tmp_path) == 0
     assert json.loads((tmp_path / "accept.json").read_text())["num_draft_tokens"] == 16
 

@@ -26,6 +26,7 @@ from pipeline.contract.step import write_manifest
 from pipeline.embedded.tiny import build_tokenizer
 from pipeline.report.html import acceptance_table
 from pipeline.steps.accept import measure
+from pipeline.steps.accept.config import AcceptRun
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 
@@ -97,14 +98,20 @@ def test_mtbench_and_humaneval_end_to_end_each_set_on_its_own(inputs, tmp_path):
     assert "mtbench: accept length" in said and "humaneval: accept length" in said and "all sets" in said
 
 
-def bench_settings(inputs, engine: str, prompts: int, bench: list[str]) -> measure.Settings:
+def bench_settings(inputs, engine: str, prompts: int, bench: list[str]) -> AcceptRun:
     """accept's settings for ``bench`` on the test's draft and target, small and quick."""
-    return measure.Settings(
-        draft=inputs["draft"], target=str(inputs["target"]), data=None, engine=engine,
-        speculation=measure.Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.1, max_length=64,
-        prompts=prompts, max_new_tokens=6, concurrency=1, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=1, request_timeout_s=1, bench=bench,
-    )  # fmt: skip
+    return AcceptRun(
+        draft=inputs["draft"],
+        target=str(inputs["target"]),
+        engine=engine,
+        max_length=64,
+        prompts=prompts,
+        max_new_tokens=6,
+        concurrency=1,
+        startup_timeout_s=1,
+        request_timeout_s=1,
+        bench=bench,
+    )
 
 
 def test_the_prompts_are_the_benchmarks_rendered_with_the_targets_chat_template(inputs):
@@ -145,12 +152,7 @@ def test_a_file_of_the_users_own_conversations_is_a_set(inputs, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "accept.json").read_text())
     assert list(report["sets"]) == [str(traffic)] and report["sets"][str(traffic)]["prompts"] == 2
-    settings = measure.Settings(
-        draft=inputs["draft"], target=str(inputs["target"]), data=None, engine="chain",
-        speculation=measure.Speculation(inputs["draft"], 3, 1, 4), heldout_fraction=0.1, max_length=64,
-        prompts=8, max_new_tokens=6, concurrency=1, tp=1, trust_remote_code=False, release_target=None,
-        startup_timeout_s=1, request_timeout_s=1, bench=[str(traffic)],
-    )  # fmt: skip
+    settings = bench_settings(inputs, "chain", 8, [str(traffic)])
     tokenizer = AutoTokenizer.from_pretrained(inputs["target"])
     second = tokenizer.apply_chat_template(
         json.loads(traffic.read_text().splitlines()[1])["conversations"][:4],
