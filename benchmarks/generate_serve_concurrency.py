@@ -24,7 +24,7 @@ from rich.console import Console
 from pipeline.embedded.tiny import ensure_tiny_target, sample_conversations
 from pipeline.steps.generate.config import GenerateConfig, Sampling
 from pipeline.steps.generate.driver import generate
-from pipeline.steps.serve import transformers_serve
+from pipeline.steps.serving.step_server import transformers_serve
 
 
 def write_prompts(path: Path, count: int) -> None:

@@ -35,7 +35,7 @@ STEP_COMMANDS = {
     "tokenize": "pipeline.steps.tokenize.cli:tokenize",
     "train": "pipeline.steps.train.cli:train",
     "accept": "pipeline.steps.accept.cli:accept",
-    "serve": "pipeline.steps.target_server:serve",
+    "serve": "pipeline.steps.serving.serve_command:serve",
     "build": "pipeline.compile.cli:build_app",
 }
 """Each step's command in pipeline order, then the target server's (a service's command) and the

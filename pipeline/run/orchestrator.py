@@ -3,7 +3,7 @@
 Steps whose needs are met run side by side while the sum of their memory
 limits fits the budget. Each attempt's outcome becomes a verdict
 (``verdict.decide``) and a ledger row; a verdict its step's ``retry_on`` names
-runs it again (``retry_limit``). A rerun in the same run directory skips
+runs it again (``next_limit``). A rerun in the same run directory skips
 steps whose manifest matches their inputs (``fingerprint``); a runner killed
 without warning leaves attempts marked ``running``: the next run watches again
 those its executor can hand back (a Slurm job outlives its runner) and closes
@@ -63,8 +63,8 @@ from pipeline.run.ledger import (
     StepState,
     ledger_lost,
 )
+from pipeline.run.next_limit import next_limit
 from pipeline.run.recovery import Resumed, close_orphans, lock_run_dir
-from pipeline.run.retry_limit import next_limit
 from pipeline.run.services import AdoptedReplica, Services, ServiceState, check_placement, service_argv
 from pipeline.run.spec import PipelineError, PipelineSpec, StepSpec
 from pipeline.run.step_inputs import check_inputs, check_program, expand_command, runner_env

@@ -22,7 +22,7 @@ from pipeline.cli import app
 from pipeline.steps.accept.config import AcceptConfig
 from pipeline.steps.generate.config import GenerateSettings
 from pipeline.steps.prep.config import PrepConfig
-from pipeline.steps.target_server import ServeConfig
+from pipeline.steps.serving.serve_command import ServeConfig
 from pipeline.steps.tokenize.config import TokenizeConfig
 from pipeline.steps.train.config import TrainConfig
 

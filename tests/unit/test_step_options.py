@@ -19,7 +19,7 @@ from pipeline.cli import STEP_COMMANDS, app
 from pipeline.steps.accept.config import AcceptConfig
 from pipeline.steps.generate.config import GenerateConfig, GenerateSettings
 from pipeline.steps.prep.config import PrepConfig
-from pipeline.steps.target_server import ServeConfig
+from pipeline.steps.serving.serve_command import ServeConfig
 from pipeline.steps.tokenize.config import TokenizeConfig
 from pipeline.steps.train import cli as train_cli
 from pipeline.steps.train.config import TrainConfig

@@ -19,7 +19,7 @@ def accept(
 ) -> None:
     """Accept length and output tokens/s of the draft, against the same decoder without it."""
     from pipeline.steps.accept.measure import run_accept
-    from pipeline.steps.sglang import release_url
+    from pipeline.steps.serving.sglang import release_url
 
     config = validated(AcceptConfig, **settings)
     granted = {"trust_remote_code": trust_remote_code, "release_target": release_url(release_target)}

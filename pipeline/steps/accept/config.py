@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.steps.accept.sets import BENCHMARKS, HELDOUT
 from pipeline.steps.options import Cli, Duration
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
-from pipeline.steps.retry import Retry
-from pipeline.steps.sglang import Parsers, Speculation
+from pipeline.steps.serving.http_retry import Retry
+from pipeline.steps.serving.sglang import Parsers, Speculation
 
 Engine = Literal["sglang", "chain"]
 

@@ -46,8 +46,7 @@ from pipeline.contract.exits import EXIT_BAD_INPUT, EXIT_FAILED, say_error
 from pipeline.contract.step import step_dir_from_env, write_manifest
 from pipeline.steps.accept.config import AcceptRun
 from pipeline.steps.accept.sets import HELDOUT, SetError, read_set, rendered
-from pipeline.steps.serve import ServeError
-from pipeline.steps.sglang import (
+from pipeline.steps.serving.sglang import (
     SGLangRefused,
     SGLangUnavailable,
     Terminated,
@@ -55,6 +54,7 @@ from pipeline.steps.sglang import (
     gpus_released,
     sglang_server,
 )
+from pipeline.steps.serving.step_server import ServeError
 from pipeline.steps.target import TargetError, check_target, load_tokenizer, target_config
 from pipeline.steps.target.vision_language import language_config
 

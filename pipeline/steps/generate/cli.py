@@ -83,7 +83,7 @@ def generate(
     from rich.console import Console
 
     from pipeline.steps.generate.driver import generate as run_generation
-    from pipeline.steps.serve import ServeError, transformers_serve
+    from pipeline.steps.serving.step_server import ServeError, transformers_serve
     from pipeline.steps.target import TargetError, resolved
 
     try:

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from pipeline.steps.generate.json_text import loads
-from pipeline.steps.retry import TRANSIENT_STATUS, Retry
+from pipeline.steps.serving.http_retry import TRANSIENT_STATUS, Retry
 
 CHAT_PATH = "/v1/chat/completions"
 # A probe of /health (SGLang, transformers serve) that takes longer than this counts as no answer.

@@ -13,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pipeline.steps.generate.conversation import Mode
 from pipeline.steps.options import Cli, Duration
-from pipeline.steps.retry import Retry
+from pipeline.steps.serving.http_retry import Retry
 
 
 def _json_object(value: object) -> object:

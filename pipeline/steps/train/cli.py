@@ -33,7 +33,13 @@ from pipeline.steps.options import (
     stop_when_checking,
     validation_lines,
 )
-from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, Terminated, gpus_released, release_url
+from pipeline.steps.serving.sglang import (
+    SGLangRefused,
+    SGLangUnavailable,
+    Terminated,
+    gpus_released,
+    release_url,
+)
 from pipeline.steps.target import TargetError, check_target, target_config
 from pipeline.steps.target.vision_language import language_config
 from pipeline.steps.train.config import SettingsError, TrainConfig

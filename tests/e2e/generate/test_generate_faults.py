@@ -202,7 +202,7 @@ def test_requests_spread_over_several_servers_and_survive_one_dying(tmp_path, fa
 
 def test_health_wait_reports_the_url_or_waits_for_a_late_server(tmp_path):
     prompts = simple_prompts(tmp_path / "prompts.jsonl", 5)
-    from pipeline.steps.serve import free_port
+    from pipeline.steps.serving.step_server import free_port
 
     port = free_port()
     result = run_generate(

@@ -10,7 +10,7 @@ from generate_helpers import FakeServer, fake_servers, read_jsonl, run_generate,
 
 from pipeline.contract.atomic import atomic_write_text
 from pipeline.contract.step import read_manifest, service_urls_path
-from pipeline.steps.serve import free_port
+from pipeline.steps.serving.step_server import free_port
 
 ALL_IDS = [f"p{i:05d}" for i in range(600)]
 

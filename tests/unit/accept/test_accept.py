@@ -31,7 +31,7 @@ from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.export import export_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, draft_config, vocab_map
 from pipeline.steps.generate.client import Retry
-from pipeline.steps.sglang import Parsers
+from pipeline.steps.serving.sglang import Parsers
 
 EYRIE = [sys.executable, "-m", "pipeline.cli"]
 

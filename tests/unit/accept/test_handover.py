@@ -15,7 +15,7 @@ import pytest
 from fakes.fake_sglang import FakeSGLang
 
 from pipeline.steps.generate.client import Retry
-from pipeline.steps.sglang import SGLangRefused, SGLangUnavailable, gpus_released, release_record
+from pipeline.steps.serving.sglang import SGLangRefused, SGLangUnavailable, gpus_released, release_record
 
 NO_WAIT = Retry(base_s=0.0, cap_s=0.0)
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
@@ -70,7 +70,7 @@ def test_sigterm_in_the_step_still_gives_the_gpus_back(server, tmp_path):
     memory is taken back before the step exits 128 + 15."""
     script = textwrap.dedent(f"""
         import os, signal, sys, time
-        from pipeline.steps.sglang import Terminated, gpus_released
+        from pipeline.steps.serving.sglang import Terminated, gpus_released
         try:
             with gpus_released({server.url!r}, __import__("pathlib").Path({str(tmp_path)!r})):
                 print("released", flush=True)

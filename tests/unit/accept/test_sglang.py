@@ -17,7 +17,7 @@ import pytest
 
 from eyrie_testing import REPO, docs_page
 from pipeline.memory.units import parse_size
-from pipeline.steps.sglang import Parsers, Speculation, server_argv
+from pipeline.steps.serving.sglang import Parsers, Speculation, server_argv
 
 SGLANG_DOCKERFILE = REPO / "images" / "sglang" / "Dockerfile"
 TABLES = REPO / "tests" / "fixtures" / "sglang"

@@ -14,7 +14,7 @@ from rich.console import Console
 from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.steps.generate.client import ChatClient, PermanentError, RetriesExhausted, Retry
 from pipeline.steps.generate.driver import GenerateConfig, generate
-from pipeline.steps.serve import free_port
+from pipeline.steps.serving.step_server import free_port
 
 COMPLETION = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
 PAYLOAD = json.dumps({"model": "m", "messages": [{"role": "user", "content": "q"}]}).encode()

@@ -195,7 +195,7 @@ def test_a_target_server_that_does_not_answer_fails_the_step_and_is_no_settings_
 ):
     from fakes.fake_sglang import FakeSGLang
 
-    from pipeline.steps import sglang
+    from pipeline.steps.serving import sglang
 
     monkeypatch.setattr(sglang.time, "sleep", lambda seconds: None)
     monkeypatch.setenv("EYRIE_STEP_DIR", str(tmp_path / "step"))

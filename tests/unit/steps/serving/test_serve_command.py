@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from eyrie_testing import REPO, docs_page
 from pipeline.cli import app
 from pipeline.run.spec import load_pipeline
-from pipeline.steps.target_server import ServeConfig, server_command
+from pipeline.steps.serving.serve_command import ServeConfig, server_command
 from tests.unit.accept.test_sglang import _compose_service, _served_argv, parse
 
 

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
 from pipeline.contract.step import SERVICE_PORT_ENV
 from pipeline.steps.options import TrustRemoteCode, settings_options, stop_when_checking, validated
-from pipeline.steps.serve import ServeError, transformers_argv, transformers_env
-from pipeline.steps.sglang import Parsers, server_argv
+from pipeline.steps.serving.sglang import Parsers, server_argv
+from pipeline.steps.serving.step_server import ServeError, transformers_argv, transformers_env
 
 
 class ServeConfig(BaseModel):

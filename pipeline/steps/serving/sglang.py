@@ -36,8 +36,8 @@ from pathlib import Path
 
 from pipeline.contract.atomic import atomic_write_text
 from pipeline.contract.step import RUN_DIR_ENV, STATE_DIR, STEP_NAME_ENV
-from pipeline.steps.retry import TRANSIENT_STATUS, Retry
-from pipeline.steps.serve import free_port, running_server
+from pipeline.steps.serving.http_retry import TRANSIENT_STATUS, Retry
+from pipeline.steps.serving.step_server import free_port, running_server
 
 
 class SGLangError(RuntimeError):
