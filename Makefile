@@ -14,7 +14,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 help:
 	@echo "make demo       run the embedded demo pipeline on this machine, then show its status"
-	@echo "make cpu        run the real job (pipeline/embedded/eagle3.yaml) on this machine's CPU"
+	@echo "make cpu        run the real job (pipeline/jobs/eagle3.yaml) on this machine's CPU"
 	@echo "make test       run the test suite (default markers: not slow, not host)"
 	@echo "make test-slow  run the slow suites too"
 	@echo "make provision  host=NAME | inventory=FILE [check=1] [tags=docker,...]: provision GPU hosts"
@@ -49,7 +49,7 @@ CPU_RUN_DIR ?= runs/cpu
 cpu: venv
 	set -a && eval "$$(sed -n 's/^\([A-Z_][A-Z0-9_]*\)=\(.*\)$$/\1="$${\1-\2}"/p' compose/cpu.env)" && set +a && \
 	EYRIE_TARGET_MODEL="$${EYRIE_TARGET_MODEL:-$$($(PY) -c 'from pipeline.embedded.tiny import ensure_tiny_target as t; print(t())')}" \
-	$(EYRIE) run pipeline/embedded/eagle3.yaml --run-dir $(CPU_RUN_DIR)
+	$(EYRIE) run pipeline/jobs/eagle3.yaml --run-dir $(CPU_RUN_DIR)
 	$(EYRIE) status --run-dir $(CPU_RUN_DIR)
 
 test: venv

@@ -1,6 +1,6 @@
 """What `train` holds on each GPU in the real job: the placement planner's arithmetic, not a measurement.
 
-The real job is pipeline/embedded/eagle3.yaml with its defaults: the target Qwen/Qwen3-8B (its
+The real job is pipeline/jobs/eagle3.yaml with its defaults: the target Qwen/Qwen3-8B (its
 config.json's figures: 36 layers, hidden 4096, intermediate 12288, 32 heads of 128 with 8 KV
 heads, vocabulary 151936, untied embedding), rows of 4096 tokens, batch 1, K=7, draft vocabulary
 32000, loss chunk 512, eight processes on 8 GPUs of 96 GB (RTX PRO 6000 Blackwell), each taken

@@ -125,7 +125,7 @@ def docs_section(name: str, title: str) -> str:
 
 
 # -- the real job on CPU settings ---------------------------------------------------------------
-REAL_JOB = REPO / "pipeline" / "embedded" / "eagle3.yaml"
+REAL_JOB = REPO / "pipeline" / "jobs" / "eagle3.yaml"
 CPU_ENV = REPO / "compose" / "cpu.env"
 
 

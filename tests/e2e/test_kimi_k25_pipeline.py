@@ -1,4 +1,4 @@
-"""The real pipeline file (pipeline/embedded/eagle3.yaml) on the tests' Kimi-K2.5, as a user runs
+"""The real pipeline file (pipeline/jobs/eagle3.yaml) on the tests' Kimi-K2.5, as a user runs
 it: prep (the bundled samples) → generate → tokenize (Kimi's own tiktoken tokenizer and template,
 converted and checked) → train (sharded, then offline: the experts held packed) → accept (the
 chain engine, the draft loaded strictly).
@@ -26,7 +26,7 @@ pytest.importorskip("compressed_tensors", reason="the `quantized` extra is not i
 from tests.fixtures.kimi_k25 import build_tiny_kimi  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("real_cgroups")
-PIPELINE = REPO / "pipeline" / "embedded" / "eagle3.yaml"
+PIPELINE = REPO / "pipeline" / "jobs" / "eagle3.yaml"
 STEPS = ["prep", "generate", "tokenize", "train", "accept"]
 
 

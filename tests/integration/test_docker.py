@@ -319,7 +319,7 @@ def test_the_real_pipeline_file_serves_its_target_as_a_sibling_container(images,
 
 @pytest.mark.timeout(2400)  # the whole real pipeline file on CPU settings, training included
 def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
-    """The file a GPU host runs (pipeline/embedded/eagle3.yaml), with the CPU override's settings."""
+    """The file a GPU host runs (pipeline/jobs/eagle3.yaml), with the CPU override's settings."""
     runs = tmp_path / "runs"
     runs.mkdir()
     # The tiny target, when this host has built it already (same fingerprint, same recipe),
@@ -343,7 +343,7 @@ def test_compose_cpu_runs_the_real_pipeline_file_end_to_end(images, tmp_path):
         "COMPOSE_PROJECT_NAME": project,
         "HF_TOKEN_FILE": str(token),
     }
-    real = REPO / "pipeline" / "embedded" / "eagle3.yaml"  # what the pipeline service runs
+    real = REPO / "pipeline" / "jobs" / "eagle3.yaml"  # what the pipeline service runs
     steps = [s["name"] for s in yaml.safe_load(real.read_text())["steps"]]
     try:
         up = subprocess.run(

@@ -1,4 +1,4 @@
-"""The real job (``pipeline/embedded/eagle3.yaml``) gives a step's setting a value of its own only
+"""The real job (``pipeline/jobs/eagle3.yaml``) gives a step's setting a value of its own only
 where it means to: every value it passes to an ``eyrie <step>`` option, a ``${EYRIE_X:-default}``'s
 default or a literal, is the step's own default (a variable left settable) or a difference listed in
 ``DELIBERATE`` with its reason. A default is stated once, in the step's settings model; the file's

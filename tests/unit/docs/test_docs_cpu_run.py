@@ -60,7 +60,7 @@ def test_make_cpu_runs_the_real_job_on_the_settings_of_cpu_env(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (run_args, env), (status_args, _) = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert run_args == ["run", "pipeline/embedded/eagle3.yaml", "--run-dir", str(run_dir)]
+    assert run_args == ["run", "pipeline/jobs/eagle3.yaml", "--run-dir", str(run_dir)]
     assert status_args == ["status", "--run-dir", str(run_dir)]
     # the file's settings, one in the environment and one given to make winning
     given = {name: env.get(name) for name in REAL_JOB_CPU_SETTINGS}

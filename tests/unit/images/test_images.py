@@ -81,7 +81,7 @@ def _compose_config(*files: str, env_file: Path | None = None, environ: dict[str
 
 def _pipeline_as_run_by(service: dict):
     """The pipeline file the service runs, loaded with the environment the service gives it."""
-    file = REPO / "pipeline" / "embedded" / Path(service["command"][1]).name
+    file = REPO / "pipeline" / "jobs" / Path(service["command"][1]).name
     environ = {k: v for k, v in service["environment"].items() if v is not None}
     return load_pipeline(file, environ=environ)
 

@@ -121,7 +121,7 @@ def test_the_docs_serve_glm5_nvfp4_as_its_users_do():
 
 
 def test_the_pipelines_target_service_passes_the_setting():
-    pipeline = REPO / "pipeline" / "embedded" / "eagle3.yaml"
+    pipeline = REPO / "pipeline" / "jobs" / "eagle3.yaml"
     for environ, given in (
         ({}, ""),
         ({"EYRIE_SGLANG_ARGS": "--kv-cache-dtype bf16"}, "--kv-cache-dtype bf16"),
