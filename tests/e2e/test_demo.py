@@ -31,7 +31,9 @@ def run_demo(tmp_path: Path, settings: dict[str, str]) -> None:
     logs = run_dir / ".eyrie" / "logs"
     train_log = (logs / "train" / "attempt-1.stdout.log").read_text()
     assert f"step {settings.get('EYRIE_DEMO_MAX_STEPS', '60')}/" in train_log
-    accept_log = (logs / "accept" / "attempt-1.stdout.log").read_text()
+    accept_log = "".join(
+        (logs / "accept" / f"attempt-1.{out}.log").read_text() for out in ("stdout", "stderr")
+    )
     assert re.search(r"accept \(chain\) mtbench: accept length \d\.\d+ .* \(\d+\.\d+x\)", accept_log), (
         accept_log
     )
