@@ -80,7 +80,8 @@ def test_the_report_of_a_one_second_oom_draws_the_memory_growing_from_the_start(
     ledger.close()
     # Read from its start: the first reading within 0.1 s, long before it filled its limit.
     assert points[0][0] <= 0.1 and points[0][1] < attempt["peak_bytes"] / 2, points
-    assert len(points) >= 4 and points[-1][1] > points[0][1], points
+    # It climbs (a last reading may come after the kill, when the cgroup is already near empty).
+    assert len(points) >= 4 and max(p[1] for p in points) > 4 * points[0][1], points
     eyrie("report", "--run-dir", str(tmp_path / "run"), check=True)
     page = (tmp_path / "run" / "report.html").read_text()
     # Its own chart: the line starts low and climbs to the peak, not flat at the peak from 0:00.
