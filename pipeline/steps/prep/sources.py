@@ -219,6 +219,9 @@ def conversation_record(conv: Conversation, source: Source, source_id: str) -> t
     collapsed, so copies are found across sources."""
     messages = [m for m in conv.messages if not _is_empty(m)]
     if source.native:
+        # An answer before any question answers nothing the conversation holds: it is dropped.
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+        messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()
         if not messages:

@@ -223,6 +223,9 @@ def test_native_records_keep_the_answer_and_need_one():
     src = source("messages", native=True)
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     assert conversation_record(adapt_messages(row, src), src, "#0")[1]["conversations"][-1]["content"] == "a"
+    opened_by_an_answer = {"messages": [{"role": "assistant", "content": "hello"}, *row["messages"]]}
+    kept = conversation_record(adapt_messages(opened_by_an_answer, src), src, "#0")[1]["conversations"]
+    assert [m["content"] for m in kept] == ["q", "a"]
     with pytest.raises(Reject, match="no_assistant_turn"):
         conversation_record(adapt_messages({"messages": row["messages"][:1]}, src), src, "#0")
 
