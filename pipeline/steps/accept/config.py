@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.steps.accept.sets import BENCHMARKS, HELDOUT
+from pipeline.steps.accept.sets import HELDOUT, check_set_name
 from pipeline.steps.options import Cli, Duration
 from pipeline.steps.records import HELDOUT_FRACTION, MAX_LENGTH
 from pipeline.steps.serving.http_retry import Retry
@@ -68,11 +68,7 @@ class AcceptConfig(BaseModel):
         """A name is checked before any work (``--check`` included); a file's lines when it is read.
         None named: the held-out rows, so that the settings hold the sets that are measured."""
         for name in bench:
-            if name not in BENCHMARKS and name != HELDOUT and not name.endswith(".jsonl"):
-                known = ", ".join([*BENCHMARKS, HELDOUT])
-                raise ValueError(
-                    f"{name!r} is not a set eyrie knows ({known}) nor a FILE.jsonl of conversations"
-                )
+            check_set_name(name)
         return bench or [HELDOUT]
 
     @model_validator(mode="after")

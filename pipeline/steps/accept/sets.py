@@ -110,14 +110,19 @@ def read_conversations(path: Path) -> list[Messages]:
     return prompts
 
 
+def check_set_name(name: str) -> None:
+    """A set's name, before any work: a benchmark eyrie knows, the held-out rows, or a FILE.jsonl."""
+    if name not in BENCHMARKS and name != HELDOUT and not name.endswith(".jsonl"):
+        known = ", ".join([*BENCHMARKS, HELDOUT])
+        raise SetError(f"{name!r} is not a set eyrie knows ({known}) nor a FILE.jsonl of conversations")
+
+
 def read_set(name: str) -> list[Messages]:
-    """The conversations of the set ``name``: a benchmark's, or a ``.jsonl`` file's."""
+    """The conversations of the set ``name`` (checked by ``check_set_name``): a benchmark's, or a
+    ``.jsonl`` file's."""
     if name in BENCHMARKS:
         return _benchmark(name)
-    if name.endswith(".jsonl"):
-        return read_conversations(Path(name))
-    known = ", ".join(BENCHMARKS)
-    raise SetError(f"--bench {name}: not a set eyrie knows ({known}) nor a FILE.jsonl of conversations")
+    return read_conversations(Path(name))
 
 
 def rendered(tokenizer, conversation: Messages) -> list[int]:
