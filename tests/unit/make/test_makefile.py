@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 
@@ -76,3 +77,16 @@ def test_make_images_without_a_gpu_says_the_image_has_no_flash_attn():
     dry = _dry_images("GPU_HOST=")
     assert not any("--target wheel" in line for line in dry)
     assert any("the image is built without flash-attn" in line for line in dry)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_images_gives_both_wheelhouses_the_bench_extra_to_take_without_dependencies():
+    bench = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    dry = "\n".join(_dry_images("GPU_HOST=")).replace("\\\n", " ")
+    calls = [line for line in dry.splitlines() if "images/wheelhouse.sh" in line]
+    assert [line.split("images/wheelhouse.sh ")[1].split()[0] for line in calls] == [
+        "build/images/pipeline",
+        "build/images/sglang",
+    ]
+    for line in calls:
+        assert f'WHEELHOUSE_NO_DEPS="{" ".join(bench)}"' in line, line
