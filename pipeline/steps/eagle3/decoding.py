@@ -8,6 +8,8 @@ Both sides keep caches, so that a round costs what it costs when served: the tar
 only the last accepted token and the K drafts on its KV cache (the rejected drafts are cropped
 off after), and the draft runs its step 0 only at the positions accepted since its last proposal
 (the keys and values of the earlier ones are kept) and its chain steps only at the last position.
+The target's head, a vocabulary wide, runs only at the positions whose verdict is read: after
+the last accepted token and after each draft it accepts.
 """
 
 from __future__ import annotations
@@ -29,31 +31,61 @@ class TargetCache:
     """The target's KV cache of the tokens decoded so far, and the forwards that extend it."""
 
     def __init__(self, target, layer_ids: list[int], device: torch.device):
-        self.target = target
+        self.body = target.base_model  # the decoder without its head: the head runs where asked
+        self.head = RowHead(target.get_output_embeddings())
         self.layer_ids = layer_ids
         self.device = device  # the draft's: the features are its input
         self.cache = DynamicCache()
-        parameters = inspect.signature(target.forward).parameters
+        parameters = inspect.signature(self.body.forward).parameters
         # transformers 5.25 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns).
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.last_logits_only = "logits_to_keep" in parameters
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], *, last_only: bool = False) -> tuple[list[int], torch.Tensor]:
-        """The target's greedy token after each of ``tokens`` (only the last one with ``last_only``:
-        a prompt's logits are a vocabulary wide each) and their features; ``tokens`` join the cache."""
-        first = self.target.get_input_embeddings().weight.device
+    def forward(self, tokens: list[int]) -> tuple[Verdicts, torch.Tensor]:
+        """The target's greedy token after each of ``tokens``, computed when asked for, and their
+        features; ``tokens`` join the cache."""
+        first = self.body.get_input_embeddings().weight.device
         kwargs = {self.cache_argument: self.cache, "use_cache": True, "output_hidden_states": True}
-        if last_only and self.last_logits_only:
-            kwargs["logits_to_keep"] = 1
-        out = self.target(input_ids=torch.tensor([tokens], device=first), **kwargs)
+        out = self.body(input_ids=torch.tensor([tokens], device=first), **kwargs)
         features = torch.cat([out.hidden_states[i + 1].to(self.device) for i in self.layer_ids], dim=-1)
-        return out.logits[0].argmax(-1).tolist(), features
+        return Verdicts(self.head, out.last_hidden_state[0]), features
 
     def keep(self, length: int) -> None:
         """Forget every token after the first ``length`` (the drafts the target rejected)."""
         # transformers 5.25's crop takes the count to remove, negative; it refuses a length.
         self.cache.crop(length - self.cache.get_seq_length())
+
+
+class RowHead:
+    """A head (a linear layer) run on one position at a time. On a CPU its weight is kept
+    transposed: a one-row product then reads the weight in the order it is stored, twice as fast
+    as ``nn.Linear``'s (benchmarks/README.md, "Chain decoding")."""
+
+    def __init__(self, linear):
+        self.linear = linear
+        plain = isinstance(linear, torch.nn.Linear) and linear.bias is None
+        on_cpu = plain and linear.weight.device.type == "cpu"
+        self.columns = linear.weight.detach().t().contiguous() if on_cpu else None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden) if self.columns is None else hidden @ self.columns
+
+
+class Verdicts:
+    """The target's greedy token after each verified position, its head run on that position only
+    when asked: a position after a rejected draft is never asked for. The argmax of the head on
+    the decoder's last hidden state is the target's own (a final soft-cap or scale of its logits
+    does not move it). On a CPU the head's product for all K + 1 positions costs more than a
+    fifth of a one-token step (benchmarks/README.md, "Chain decoding")."""
+
+    def __init__(self, head: RowHead, hidden: torch.Tensor):
+        self.head, self.hidden = head, hidden
+        self.tokens: dict[int, int] = {}
+
+    def __getitem__(self, position: int) -> int:
+        if position not in self.tokens:
+            self.tokens[position] = int(self.head(self.hidden[position]).argmax(-1))
+        return self.tokens[position]
 
 
 class DraftCache:
@@ -96,16 +128,23 @@ def _layer(
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def _draft_token(draft: Eagle3Draft, hidden: torch.Tensor) -> int:
-    return int(draft.draft_to_target(draft.logits(hidden[:, -1]).argmax(-1)))
+def _draft_token(draft: Eagle3Draft, head: RowHead, hidden: torch.Tensor) -> int:
+    """The draft's token (a target id) at the last position: ``draft.logits`` with ``head``."""
+    return int(draft.draft_to_target(head(draft.norm(hidden[0, -1])).argmax(-1)))
 
 
 @torch.no_grad()
 def propose(
-    draft: Eagle3Draft, ids: list[int], features: torch.Tensor, k: int, cache: DraftCache | None = None
+    draft: Eagle3Draft,
+    ids: list[int],
+    features: torch.Tensor,
+    k: int,
+    cache: DraftCache | None = None,
+    head: RowHead | None = None,
 ) -> list[int]:
     """K draft tokens (target ids) continuing ``ids``; ``features`` covers the positions of
     ``ids[:-1]`` that ``cache`` does not hold yet (all of them without a cache), which join it.
+    ``head``: the draft's ``lm_head`` as a :class:`RowHead`, made once for every proposal.
 
     Step 0 runs at those positions, each attending causally to the step-0 keys at positions up to
     its own; step j runs only at the last position p, at p + j, attending to every step-0 key and
@@ -114,6 +153,7 @@ def propose(
     if k == 0:
         return []
     cache = DraftCache() if cache is None else cache
+    head = RowHead(draft.lm_head) if head is None else head
     start, n = len(cache), len(ids) - 1
     device = features.device
     positions = torch.arange(start, n, device=device)[None]
@@ -133,11 +173,11 @@ def propose(
         keys, values = torch.cat(chain_keys, dim=-2), torch.cat(chain_values, dim=-2)
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
-    proposals = [_draft_token(draft, hidden)]
+    proposals = [_draft_token(draft, head, hidden)]
     for j in range(1, k):
         token = torch.tensor([[proposals[-1]]], device=device)
         hidden = _layer(draft, token, hidden, positions[:, -1:] + j, chained)
-        proposals.append(_draft_token(draft, hidden))
+        proposals.append(_draft_token(draft, head, hidden))
     return proposals
 
 
@@ -152,7 +192,7 @@ def eos_ids_of(target) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _kept(drafts: list[int], argmax: list[int], eos_ids: Collection[int]) -> list[int]:
+def _kept(drafts: list[int], argmax: Verdicts, eos_ids: Collection[int]) -> list[int]:
     """The drafts the target agrees with, then its own next token; ``argmax[i]`` is its token after
     the i-th token it verified (the last accepted one, then the drafts)."""
     accepted = 0
@@ -171,13 +211,13 @@ def speculative_generate(
 ) -> tuple[list[int], list[int]]:
     """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
     verifier = TargetCache(target, aux_layer_ids(draft.config), draft.fc.weight.device)
-    argmax, features = verifier.forward(prompt, last_only=True)
+    argmax, features = verifier.forward(prompt)
     ids = prompt + [argmax[-1]]
-    generated = [argmax[-1]]
-    drafted = DraftCache()
+    generated = [ids[-1]]
+    drafted, head = DraftCache(), RowHead(draft.lm_head)
     per_forward: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
-        drafts = propose(draft, ids, features, k, cache=drafted)
+        drafts = propose(draft, ids, features, k, cache=drafted, head=head)
         argmax, features = verifier.forward([ids[-1], *drafts])
         new = _kept(drafts, argmax, eos_ids)[: max_new_tokens - len(generated)]
         per_forward.append(len(new))

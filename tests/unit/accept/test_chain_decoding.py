@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyrie_testing import perturbed_draft
 from pipeline.steps.accept.measure import acceptance_rates
-from pipeline.steps.eagle3.decoding import greedy_generate, speculative_generate
+from pipeline.steps.eagle3 import decoding
+from pipeline.steps.eagle3.decoding import RowHead, greedy_generate, speculative_generate
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 
@@ -119,6 +120,38 @@ def test_a_verifying_forward_runs_only_the_new_tokens_on_both_caches():
     assert seen["target"] == [len(prompt)] + [k + 1] * len(per_forward)
     assert seen["step0"] == [len(prompt)] + per_forward[:-1]
     assert seen["query"] == [n for new in seen["step0"] for n in [new] + [1] * (k - 1)]
+
+
+def test_the_targets_head_runs_only_at_the_positions_verification_reads(monkeypatch):
+    """Position i's verdict is read only when the drafts before it were accepted: a round runs the
+    head (a vocabulary wide) once per token it yields, not at all K + 1 positions."""
+    target, k = _target(4, 1), 3
+    draft = _draft(target, 2)
+    rows = collections.Counter()
+    run = RowHead.__call__
+
+    def counted(head, hidden):
+        rows["target" if head.linear is target.lm_head else "draft"] += hidden.numel() // hidden.shape[-1]
+        return run(head, hidden)
+
+    monkeypatch.setattr(decoding.RowHead, "__call__", counted)
+    prompt = _prompts(4)[2]
+    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    assert max(per_forward) > 1 and min(per_forward) < k + 1  # rounds of several lengths
+    # The prompt's last position, then each round's accepted drafts and the target's own token
+    # (the last round's may be cut by max_new_tokens after they were read).
+    assert sum(per_forward) <= rows["target"] - 1 <= sum(per_forward) + k
+    assert rows["draft"] == k * len(per_forward)
+
+
+@pytest.mark.parametrize("rows", [(), (3,)])
+def test_a_row_head_gives_its_linear_layers_products(rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(*rows, 16)
+    head = RowHead(linear)
+    assert head.columns is not None  # on the CPU the weight is kept transposed
+    torch.testing.assert_close(head(hidden), linear(hidden))
 
 
 def test_the_baseline_is_the_targets_plain_greedy_generate_whatever_its_generation_config_says():
