@@ -89,6 +89,9 @@ def catalog(run_dir: Path, rows: int, native: int) -> Path:
 def settings(args, run_dir: Path, target: str, rows: int, steps: int, chain_steps: int) -> dict[str, str]:
     return {
         **env_file(CPU_ENV),
+        # The steps run one after another: each may use both cores (the file's one thread is for a
+        # CPU that other work shares).
+        "OMP_NUM_THREADS": str(args.threads),
         "EYRIE_TARGET_MODEL": target,
         "EYRIE_CATALOG": str(catalog(run_dir, rows, args.native)),
         "EYRIE_PREP_DATA": "online",  # the file is local: nothing is fetched
@@ -98,7 +101,8 @@ def settings(args, run_dir: Path, target: str, rows: int, steps: int, chain_step
         "EYRIE_CONCURRENCY": "8",
         "EYRIE_MAX_LENGTH": "1024",
         "EYRIE_MAX_STEPS": str(steps),
-        "EYRIE_BATCH_SIZE": str(args.batch_size),
+        "EYRIE_BATCH_SIZE": "1",
+        "EYRIE_BATCH_TOKENS": str(args.batch_tokens),
         "EYRIE_LR": str(args.lr),
         "EYRIE_DRAFT_VOCAB": str(args.draft_vocab),
         "EYRIE_TTT_STEPS": str(args.ttt_steps),
@@ -155,10 +159,11 @@ def main() -> None:
     parser.add_argument(
         "--native", type=int, default=0, help="ShareGPT conversations kept with their own answers"
     )
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every step")
     parser.add_argument("--eval-prompts", type=int, default=20, help="prompts of each set")
     parser.add_argument("--eval-tokens", type=int, default=64)
     parser.add_argument("--chain-steps", type=int, default=7, help="the last point's second accept (0: none)")

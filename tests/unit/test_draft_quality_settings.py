@@ -24,7 +24,8 @@ def test_the_benchmarks_settings_and_catalog_pass_the_real_jobs_check(tmp_path):
     args = argparse.Namespace(
         max_tokens=128,
         native=50,
-        batch_size=4,
+        batch_tokens=2048,
+        threads=2,
         lr=3e-3,
         draft_vocab=512,
         ttt_steps=3,
