@@ -201,7 +201,7 @@ def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
             )
         return out[0, len(ids) :].tolist()
 
-    def own_tokens_one_corrupted(_draft, ids, _features, steps, cache=None):
+    def own_tokens_one_corrupted(_draft, ids, _features, steps, cache=None, head=None):
         own = greedy_after(ids, steps)
         depth = rng.randint(0, steps)  # steps: nothing corrupted, the whole chain is the target's
         depths.append(depth)
