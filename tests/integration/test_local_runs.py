@@ -515,13 +515,17 @@ steps:
 def _start_runner(
     pipeline: Path, run_dir: Path, wrapper: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, int]:
-    """`eyrie run` (under ``wrapper``, e.g. nohup) until its step runs: the runner and the step's pid."""
+    """`eyrie run` (under ``wrapper``, e.g. nohup) until its step runs: the runner and the step's pid.
+
+    The runner starts with SIGHUP's default action, whatever the suite inherited: a suite run under
+    nohup would otherwise start every runner as if under nohup."""
     runner = subprocess.Popen(
         [*wrapper, sys.executable, "-m", "pipeline.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
