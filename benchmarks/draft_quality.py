@@ -18,7 +18,7 @@ The points share one run directory: a point with more rows reruns prep, and gene
 the prompts it has not answered (it resumes); train and accept run again. Each measurement is one
 JSON line; all of them go to RUN_DIR/draft_quality.json.
 
-    .venv/bin/python -m benchmarks.draft_quality --points 150:150,300:300,600:600
+    .venv/bin/python -m benchmarks.draft_quality   # the points of benchmarks/README.md
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ def measured(run_dir: Path, rows: int, native: int, steps: int, seconds: float) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--points", type=points, default=points("150:150,300:300,600:600"))
+    parser.add_argument("--points", type=points, default=points("50:120,50:400"))
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / "draft-quality")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generate answers with")
     parser.add_argument(
-        "--native", type=int, default=0, help="ShareGPT conversations kept with their own answers"
+        "--native", type=int, default=1500, help="ShareGPT conversations kept with their own answers"
     )
     parser.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training step")
     parser.add_argument("--lr", type=float, default=3e-3)
