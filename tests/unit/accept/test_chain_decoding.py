@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eyrie_testing import perturbed_draft
 from pipeline.steps.accept.measure import acceptance_rates
 from pipeline.steps.eagle3 import decoding
-from pipeline.steps.eagle3.decoding import RowHead, greedy_generate, speculative_generate
+from pipeline.steps.eagle3.decoding import FewRowProducts, RowHead, greedy_generate, speculative_generate
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 
@@ -152,6 +152,45 @@ def test_a_row_head_gives_its_linear_layers_products(rows):
     head = RowHead(linear)
     assert head.columns is not None  # on the CPU the weight is kept transposed
     torch.testing.assert_close(head(hidden), linear(hidden))
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (1, 2), (1, 4), (5,), (1, 6), (1, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_row_products_give_the_linear_layers_products_and_end_with_the_context(rows, bias):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 50, bias=bias), torch.nn.GELU(), torch.nn.Linear(50, 8, bias=bias)
+    )
+    hidden = torch.randn(*rows, 16)
+    plain = model(hidden)
+    products = FewRowProducts(model)
+    assert len(products.linears) == 2
+    with products:
+        within = model(hidden)
+    torch.testing.assert_close(within, plain)
+    assert within.is_contiguous() and within.shape == plain.shape
+    assert all("forward" not in linear.__dict__ for linear in products.linears)  # the class's own again
+
+
+def test_a_verifying_forward_computes_its_few_rows_as_weight_by_rows(monkeypatch):
+    """The target's layers run the K + 1 rows of a verifying forward as ``W @ x^T``, and the
+    prompt's many rows, and the target's own ``generate``, as ``nn.Linear`` does."""
+    target, k = _target(4, 1), 3
+    draft = _draft(target, 2)
+    shapes = collections.Counter()
+    mm = torch.mm
+
+    def counted(a, b, *args, **kwargs):
+        if a is target.model.layers[0].mlp.down_proj.weight:
+            shapes[b.shape[1]] += 1
+        return mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", counted)
+    prompt = _prompts(4)[2]
+    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    assert shapes == {k + 1: len(per_forward)}
+    greedy_generate(target, prompt, 8, frozenset())
+    assert shapes == {k + 1: len(per_forward)}
 
 
 def test_the_baseline_is_the_targets_plain_greedy_generate_whatever_its_generation_config_says():
