@@ -1,8 +1,9 @@
 """A step's fingerprint, and whether a rerun may skip it.
 
 The fingerprint covers what makes a step's outputs what they are: its expanded command, its
-``env`` and declared outputs, the manifests of the steps it needs, its input files' contents, and
-the executor options that change results (e.g. a Docker image). The runner gives it to each
+``env`` and declared outputs, the manifests of the steps it needs, its input files' contents, the
+files its command names outside the run directory (a catalog, a prompts file), and the executor
+options that change results (e.g. a Docker image). The runner gives it to each
 attempt (``FINGERPRINT_ENV``) and the manifest records it: a step whose manifest holds the same
 fingerprint and still matches its outputs is up to date.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contract.step import MANIFEST_NAME, check_manifest, manifest_digest, read_manifest, sha256_file
+from pipeline.memory import MIB
 from pipeline.run import EXECUTORS
 from pipeline.run.ledger import AttemptRow
 from pipeline.run.spec import PipelineSpec, StepSpec
@@ -51,9 +53,44 @@ def fingerprint_parts(
         "needs": {n: manifest_digest(run_dir / n) for n in step.needs},
         "inputs": inputs,
     }
+    named = named_files(
+        run_dir, step, argv, declared={(pipeline_path.parent / rel).resolve() for rel in inputs}
+    )
+    if named:  # only then: a step whose command names no file keeps the fingerprint it had
+        payload["files"] = named
     for executor in EXECUTORS:  # e.g. a step's Docker image: other options leave results as they are
         payload.update(spec.executor_options(executor, step.name).fingerprint())
     return payload
+
+
+HASHED_FILE_LIMIT = 64 * MIB
+"""A named file up to this size is known by its content; a larger one (a model's weights) by its
+size and modification time, as make knows files, so that deciding costs no read of it."""
+
+
+def named_files(run_dir: Path, step: StepSpec, argv: list[str], declared: set[Path]) -> dict[str, str]:
+    """The files the command names (an argument, or an option's ``--name=value``) outside the run
+    directory, by content: a catalog edited in place reruns prep, as an edited input does. A
+    relative name is the step's, which runs in its own directory; files in the run directory are
+    upstream outputs, which the needed steps' manifests already cover, and ``declared`` inputs
+    are the fingerprint's already."""
+    step_dir, inside = run_dir / step.name, run_dir.resolve()
+    named = {}
+    for argument in argv[1:]:
+        value = argument.split("=", 1)[1] if argument.startswith("--") and "=" in argument else argument
+        try:
+            path = (step_dir / value).resolve()
+            if not value or not path.is_file() or path.is_relative_to(inside) or path in declared:
+                continue
+            size = path.stat().st_size
+        except OSError:  # not a name a file could have, e.g. too long
+            continue
+        named[value] = (
+            sha256_file(path)
+            if size <= HASHED_FILE_LIMIT
+            else f"{size} bytes, modified {path.stat().st_mtime_ns}"
+        )
+    return named
 
 
 def check_up_to_date(
@@ -98,8 +135,8 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             said.append(
                 f"its command changed at argument {first}: {_word(was, first)} -> {_word(now, first)}"
             )
-        elif key in ("needs", "inputs", "env"):
-            what = {"needs": "the outputs of step", "inputs": "input", "env": "env"}[key]
+        elif key in ("needs", "inputs", "files", "env"):
+            what = {"needs": "the outputs of step", "inputs": "input", "files": "file", "env": "env"}[key]
             names = sorted(
                 n for n in set(was or {}) | set(now or {}) if (was or {}).get(n) != (now or {}).get(n)
             )

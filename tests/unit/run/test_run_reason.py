@@ -61,3 +61,48 @@ def test_each_rerun_says_what_changed(tmp_path):
     assert reasons(tmp_path)[-1] == ("hog", 4, "its last attempt (3) ended failed")
     explained = eyrie("explain", "hog", "--run-dir", str(tmp_path / "run"), check=True).stdout
     assert "It ran because its last attempt (3) ended failed." in explained, explained
+
+
+NAMING = """
+steps:
+  - name: prep
+    command: [cp, "${CATALOG}", "--target-directory=${EYRIE_RUN_DIR}/prep"]
+    memory: 64MiB
+"""
+
+
+def test_a_file_the_command_names_edited_in_place_reruns_its_step(tmp_path):
+    """A catalog given by path, edited where it lies: the command is the same, the file is not."""
+    (tmp_path / "p.yaml").write_text(NAMING)
+    catalog = tmp_path / "elsewhere" / "catalog.yaml"
+    catalog.parent.mkdir()
+    catalog.write_text("quota: 50\n")
+    run(tmp_path, CATALOG=str(catalog))
+    catalog.write_text("quota: 50\n")  # written again, the same: nothing to do
+    said = run(tmp_path, CATALOG=str(catalog))
+    assert "prep runs again" not in said and "up to date" in said, said
+    catalog.write_text("quota: 600\n")
+    said = run(tmp_path, CATALOG=str(catalog))
+    assert f"prep runs again: file {catalog} changed" in said, said
+    assert (tmp_path / "run" / "prep" / "catalog.yaml").read_text() == "quota: 600\n"
+
+
+def test_a_large_named_file_is_known_by_size_and_time_and_run_dir_files_not_at_all(tmp_path, monkeypatch):
+    from pipeline.run import fingerprint
+    from pipeline.run.spec import load_pipeline
+
+    (tmp_path / "p.yaml").write_text(NAMING)
+    step, run_dir = load_pipeline(tmp_path / "p.yaml", {"CATALOG": "weights.gguf"}).steps[0], tmp_path / "run"
+    (run_dir / "prep").mkdir(parents=True)
+    weights = run_dir / "prep" / "weights.gguf"
+    weights.write_bytes(b"x" * 100)
+    argv = ["cp", "weights.gguf", "--target-directory=/nowhere"]
+    assert (
+        fingerprint.named_files(run_dir, step, argv, declared=set()) == {}
+    )  # the run's own: its manifests say
+    outside = tmp_path / "weights.gguf"
+    outside.write_bytes(b"x" * 100)
+    monkeypatch.setattr(fingerprint, "HASHED_FILE_LIMIT", 10)
+    named = fingerprint.named_files(run_dir, step, ["cp", f"--model={outside}"], declared=set())
+    assert named == {str(outside): f"100 bytes, modified {outside.stat().st_mtime_ns}"}
+    assert fingerprint.named_files(run_dir, step, ["cp", str(outside)], declared={outside}) == {}
