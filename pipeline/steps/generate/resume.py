@@ -12,7 +12,9 @@ Files in the step directory:
   with other settings (model, mode, sampling) refuses to mix answers; ``--restart`` moves the
   earlier rows into ``restarted/STAMP/`` and starts over.
 - On success both partial files are renamed to ``conversations.jsonl`` and
-  ``errors.jsonl`` and the manifest is written with the summary.
+  ``errors.jsonl`` and the manifest is written with the summary. Rows whose prompt the
+  prompt file no longer holds (a smaller quota, an edited catalog) leave them for
+  ``not-in-prompts/``, appended there: answers are never deleted unasked.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ERRORS = "errors.jsonl"
 OUTPUTS = [CONVERSATIONS, ERRORS]
 SETTINGS = "generate.settings.json"
 RESTARTED = "restarted"
+NOT_IN_PROMPTS = "not-in-prompts"
 
 
 def partial_name(final: str) -> str:
@@ -182,20 +185,22 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
         "fallback_last_turn": 0,
         "tokens_in": 0,
         "tokens_out": 0,
-        "dropped_not_in_prompts": 0,
+        "not_in_prompts": 0,
     }
     seen: set[str] = set()
     for final in (CONVERSATIONS, ERRORS):
         partial = out / partial_name(final)
         partial.touch()
         keep: list[bytes] = []
+        gone: list[bytes] = []
         rewrite = False
         with open(partial, "rb") as fh:
             for line in fh:
                 row = loads(line)
                 if row["id"] in seen or row["id"] not in input_ids:
                     rewrite = True
-                    stats["dropped_not_in_prompts"] += row["id"] not in input_ids
+                    if row["id"] not in input_ids:
+                        gone.append(line)
                     continue
                 seen.add(row["id"])
                 keep.append(line)
@@ -210,6 +215,9 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
                     stats["errors"] += 1
                     kinds = stats["errors_by_kind"]
                     kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+        if gone:  # kept before the partial file goes (a crash between may keep them twice, never none)
+            stats["not_in_prompts"] += len(gone)
+            _append_durably(out / NOT_IN_PROMPTS / final, gone)
         if rewrite:
             with atomic_path(out / final) as tmp:
                 tmp.write_bytes(b"".join(keep))
@@ -218,3 +226,12 @@ def finalize(out: Path, input_ids: set[str], requested_mode: Mode) -> dict[str, 
             os.replace(partial, out / final)
     fsync_dir(out)
     return stats
+
+
+def _append_durably(path: Path, lines: list[bytes]) -> None:
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "ab") as fh:
+        fh.writelines(lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(path.parent)

@@ -261,7 +261,10 @@ def test_changed_prompts_and_retry_errors(tmp_path, fake_server):
     assert run_generate(prompts, out, server.url).returncode == 0
     assert len(read_jsonl(out / "errors.jsonl")) == 10
 
-    # Rows no longer in the prompts are dropped from the output; done rows are not asked again.
+    # Rows no longer in the prompts leave the output for not-in-prompts/, kept; done rows are not
+    # asked again.
+    answered = {row["id"]: row for row in read_jsonl(out / "conversations.jsonl")}
+    gone = [row["id"] for row in read_jsonl(prompts)[:5] if row["id"] in answered]
     rows = read_jsonl(prompts)[5:]
     for row in rows:
         row["messages"][0]["content"] = row["messages"][0]["content"].replace(" REJECT-ME", "")
@@ -274,7 +277,11 @@ def test_changed_prompts_and_retry_errors(tmp_path, fake_server):
     assert len(read_jsonl(record)) == 8
     assert sorted(ids_of(out / "conversations.jsonl")) == [r["id"] for r in rows]
     assert (out / "errors.jsonl").read_text() == ""
-    assert read_manifest(out).stats["dropped_not_in_prompts"] == 3
+    assert read_manifest(out).stats["not_in_prompts"] == len(gone) == 3
+    kept = read_jsonl(out / "not-in-prompts" / "conversations.jsonl")
+    assert sorted(kept, key=lambda row: row["id"]) == sorted(
+        (answered[i] for i in gone), key=lambda row: row["id"]
+    )
 
 
 def test_bad_input_is_one_clear_line(tmp_path, fake_server):
