@@ -82,13 +82,13 @@ def named_files(run_dir: Path, step: StepSpec, argv: list[str], declared: set[Pa
             path = (step_dir / value).resolve()
             if not value or not path.is_file() or path.is_relative_to(inside) or path in declared:
                 continue
-            size = path.stat().st_size
+            stat = path.stat()
         except OSError:  # not a name a file could have, e.g. too long
             continue
         named[value] = (
             sha256_file(path)
-            if size <= HASHED_FILE_LIMIT
-            else f"{size} bytes, modified {path.stat().st_mtime_ns}"
+            if stat.st_size <= HASHED_FILE_LIMIT
+            else f"{stat.st_size} bytes, modified {stat.st_mtime_ns}"
         )
     return named
 

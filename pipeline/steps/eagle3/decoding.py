@@ -9,8 +9,8 @@ only the last accepted token and the K drafts on its KV cache (the rejected draf
 off after), and the draft runs its step 0 only at the positions accepted since its last proposal
 (the keys and values of the earlier ones are kept) and its chain steps only at the last position.
 The target's head, a vocabulary wide, runs only at the positions whose verdict is read: after
-the last accepted token and after each draft it accepts. On a CPU both sides' products take the
-shapes the CPU runs fastest (``RowHead``, ``FewRowProducts``).
+the last accepted token and after each draft it accepts. On a CPU the heads' one-row products and
+the target's few-row ones take the shapes the CPU runs fastest (``RowHead``, ``FewRowProducts``).
 """
 
 from __future__ import annotations

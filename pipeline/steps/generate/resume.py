@@ -13,7 +13,7 @@ Files in the step directory:
   earlier rows into ``restarted/STAMP/`` and starts over.
 - On success both partial files are renamed to ``conversations.jsonl`` and
   ``errors.jsonl`` and the manifest is written with the summary. Rows whose prompt the
-  prompt file no longer holds (a smaller quota, an edited catalog) leave them for
+  prompt file no longer holds (a smaller quota, an edited catalog) move to
   ``not-in-prompts/``, appended there: answers are never deleted unasked.
 """
 

@@ -97,9 +97,8 @@ def test_a_large_named_file_is_known_by_size_and_time_and_run_dir_files_not_at_a
     weights = run_dir / "prep" / "weights.gguf"
     weights.write_bytes(b"x" * 100)
     argv = ["cp", "weights.gguf", "--target-directory=/nowhere"]
-    assert (
-        fingerprint.named_files(run_dir, step, argv, declared=set()) == {}
-    )  # the run's own: its manifests say
+    run_own = fingerprint.named_files(run_dir, step, argv, declared=set())
+    assert run_own == {}  # the run's own files: the needed steps' manifests cover them
     outside = tmp_path / "weights.gguf"
     outside.write_bytes(b"x" * 100)
     monkeypatch.setattr(fingerprint, "HASHED_FILE_LIMIT", 10)
