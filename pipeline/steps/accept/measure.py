@@ -226,12 +226,12 @@ def acceptance_rates(per_forward: list[int], k: int) -> list[float]:
 
 
 def _chain_set(
-    name: str, target, draft, prompts: list[list[int]], k: int, settings: AcceptRun
+    name: str, decoder, target, prompts: list[list[int]], k: int, settings: AcceptRun
 ) -> tuple[Tally, Tally]:
-    """One set at batch 1: each prompt decoded with the draft and by the target's own ``generate``,
-    each timed, taking turns (which goes first alternates), so a machine busier at one moment weighs
-    on both alike; a line of progress every few prompts."""
-    from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate, speculative_generate
+    """One set at batch 1: each prompt decoded with the draft (``decoder``, a ``ChainDecoder``) and
+    by the target's own ``generate``, each timed, taking turns (which goes first alternates), so a
+    machine busier at one moment weighs on both alike; a line of progress every few prompts."""
+    from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate
 
     eos_ids = eos_ids_of(target)
     seconds = {"speculative": 0.0, "baseline": 0.0}
@@ -240,9 +240,7 @@ def _chain_set(
         for which in ("speculative", "baseline") if number % 2 else ("baseline", "speculative"):
             started = time.monotonic()
             if which == "speculative":
-                tokens, yielded = speculative_generate(
-                    target, draft, prompt, k, settings.max_new_tokens, eos_ids
-                )
+                tokens, yielded = decoder.generate(prompt, k, settings.max_new_tokens, eos_ids)
                 speculative.append(tokens)
                 per_forward += yielded
             else:
@@ -267,20 +265,20 @@ def measure_chain(settings: AcceptRun, sets: dict[str, list[list[int]]]) -> Meas
     request at a time (batch 1), wall-clock."""
     import torch
 
-    from pipeline.steps.eagle3.decoding import eos_ids_of, greedy_generate, speculative_generate
+    from pipeline.steps.eagle3.decoding import ChainDecoder, eos_ids_of, greedy_generate
     from pipeline.steps.eagle3.export import load_draft
     from pipeline.steps.target import load_model
 
     target = load_model(settings.target, dtype=torch.float32, trust_remote_code=settings.trust_remote_code)
     target.eval()
-    draft = load_draft(settings.draft, target.get_input_embeddings().weight)
+    decoder = ChainDecoder(target, load_draft(settings.draft, target.get_input_embeddings().weight))
     eos_ids = eos_ids_of(target)
     k = settings.speculation.num_steps
     # One-time costs (first allocations, lazy set-up) out of the timing, as the servers get a warm-up request.
     first = next(iter(sets.values()))[0]
-    speculative_generate(target, draft, first, k, 8, eos_ids)
+    decoder.generate(first, k, 8, eos_ids)
     greedy_generate(target, first, 8, eos_ids)
-    return {name: _chain_set(name, target, draft, prompts, k, settings) for name, prompts in sets.items()}
+    return {name: _chain_set(name, decoder, target, prompts, k, settings) for name, prompts in sets.items()}
 
 
 def _figures(speculative: Tally, baseline: Tally, k: int) -> dict:

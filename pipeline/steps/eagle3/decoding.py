@@ -10,7 +10,9 @@ off after), and the draft runs its step 0 only at the positions accepted since i
 (the keys and values of the earlier ones are kept) and its chain steps only at the last position.
 The target's head, a vocabulary wide, runs only at the positions whose verdict is read: after
 the last accepted token and after each draft it accepts. On a CPU the heads' one-row products and
-the target's few-row ones take the shapes the CPU runs fastest (``RowHead``, ``FewRowProducts``).
+the target's few-row ones take the shapes the CPU runs fastest (``RowHead``, ``FewRowProducts``),
+and the verifying forward's attention reads the key and value heads without copying them
+(``GroupedAttention``). A ``ChainDecoder`` makes all of it ready once for every prompt it decodes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, GenerationConfig
+from transformers import AttentionInterface, DynamicCache, GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
@@ -29,30 +33,45 @@ from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class TargetCache:
-    """The target's KV cache of the tokens decoded so far, and the forwards that extend it."""
+class Verifier:
+    """The target made ready once for the verifying forwards of every prompt it decodes: its decoder
+    without the head, its few-row products and grouped attention, its head kept transposed."""
 
     def __init__(self, target, layer_ids: list[int], device: torch.device):
         self.body = target.base_model  # the decoder without its head: the head runs where asked
         self.products = FewRowProducts(self.body)
-        self.head = RowHead(target.get_output_embeddings())
+        self.attention = GroupedAttention(self.body.config)
+        self.head = RowHead(target.get_output_embeddings())  # a copy of the head: made once, not per prompt
         self.layer_ids = layer_ids
         self.device = device  # the draft's: the features are its input
-        self.cache = DynamicCache()
         parameters = inspect.signature(self.body.forward).parameters
         # transformers 5.25 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns).
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    def start(self) -> TargetCache:
+        """An empty KV cache, for one prompt."""
+        return TargetCache(self)
+
+
+class TargetCache:
+    """The target's KV cache of the tokens decoded so far, and the forwards that extend it."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier = verifier
+        self.cache = DynamicCache()
 
     @torch.no_grad()
     def forward(self, tokens: list[int]) -> tuple[Verdicts, torch.Tensor]:
         """The target's greedy token after each of ``tokens``, computed when asked for, and their
         features; ``tokens`` join the cache."""
-        first = self.body.get_input_embeddings().weight.device
-        kwargs = {self.cache_argument: self.cache, "use_cache": True, "output_hidden_states": True}
-        with self.products:
-            out = self.body(input_ids=torch.tensor([tokens], device=first), **kwargs)
-        features = torch.cat([out.hidden_states[i + 1].to(self.device) for i in self.layer_ids], dim=-1)
-        return Verdicts(self.head, out.last_hidden_state[0]), features
+        verifier = self.verifier
+        first = verifier.body.get_input_embeddings().weight.device
+        kwargs = {verifier.cache_argument: self.cache, "use_cache": True, "output_hidden_states": True}
+        with verifier.products, verifier.attention:
+            out = verifier.body(input_ids=torch.tensor([tokens], device=first), **kwargs)
+        layers = [out.hidden_states[i + 1].to(verifier.device) for i in verifier.layer_ids]
+        features = torch.cat(layers, dim=-1)
+        return Verdicts(verifier.head, out.last_hidden_state[0]), features
 
     def keep(self, length: int) -> None:
         """Forget every token after the first ``length`` (the drafts the target rejected)."""
@@ -112,6 +131,49 @@ def _few_row_product(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if linear.bias is not None:
         out += linear.bias
     return out.view(*x.shape[:-1], -1)
+
+
+GROUPED_SDPA = "sdpa_grouped_kv"
+"""The attention a verifying forward runs in place of transformers' ``sdpa``."""
+
+
+def sdpa_grouped_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' ``sdpa`` attention, but under a mask too it hands SDPA the key and value heads
+    as they are (``enable_gqa``). transformers' own copies them once per query head sharing them
+    (``repeat_kv``) whenever there is a mask, as there is at a verifying forward's K + 1 queries; on
+    a CPU that copy and the kernel SDPA then takes cost more than the attention itself, the more so
+    the longer the context (benchmarks/README.md, "Chain decoding"). The same outputs."""
+    plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
+    if plain or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, sdpa_grouped_kv)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # its masks are sdpa's
+
+
+class GroupedAttention:
+    """A context in which a target that runs transformers' ``sdpa`` attention runs
+    :func:`sdpa_grouped_kv` instead; other attentions are left as they are, and so is the target's
+    ``generate`` outside it."""
+
+    def __init__(self, config):
+        self.config = config
+        self.own: str | None = None
+
+    def __enter__(self) -> None:
+        self.own = self.config._attn_implementation
+        if self.own == "sdpa":
+            self.config._attn_implementation = GROUPED_SDPA
+
+    def __exit__(self, *exc_info) -> None:
+        self.config._attn_implementation = self.own
 
 
 class Verdicts:
@@ -248,28 +310,45 @@ def _kept(drafts: list[int], argmax: Verdicts, eos_ids: Collection[int]) -> list
     return new if end is None else new[: end + 1]
 
 
-@torch.no_grad()
+class ChainDecoder:
+    """Greedy generation with chain drafts, the target and the draft made ready once for every
+    prompt: each prompt then costs what serving it costs (a copy of a vocabulary-wide head made per
+    prompt cost a CPU 2 ms a round)."""
+
+    def __init__(self, target, draft: Eagle3Draft):
+        self.draft = draft
+        self.verifier = Verifier(target, aux_layer_ids(draft.config), draft.fc.weight.device)
+        self.head = RowHead(draft.lm_head)
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
+    ) -> tuple[list[int], list[int]]:
+        """(new tokens, tokens yielded by each verifying forward)."""
+        target = self.verifier.start()
+        argmax, features = target.forward(prompt)
+        ids = prompt + [argmax[-1]]
+        generated = [ids[-1]]
+        drafted = DraftCache()
+        per_forward: list[int] = []
+        while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
+            drafts = propose(self.draft, ids, features, k, cache=drafted, head=self.head)
+            argmax, features = target.forward([ids[-1], *drafts])
+            new = _kept(drafts, argmax, eos_ids)[: max_new_tokens - len(generated)]
+            per_forward.append(len(new))
+            ids += new
+            generated += new
+            target.keep(len(ids) - 1)
+            # The features of the last accepted token and the drafts kept: the next proposal's new positions.
+            features = features[:, : len(new)]
+        return generated, per_forward
+
+
 def speculative_generate(
     target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> tuple[list[int], list[int]]:
-    """Greedy generation with chain drafts: (new tokens, tokens yielded by each verifying forward)."""
-    verifier = TargetCache(target, aux_layer_ids(draft.config), draft.fc.weight.device)
-    argmax, features = verifier.forward(prompt)
-    ids = prompt + [argmax[-1]]
-    generated = [ids[-1]]
-    drafted, head = DraftCache(), RowHead(draft.lm_head)
-    per_forward: list[int] = []
-    while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
-        drafts = propose(draft, ids, features, k, cache=drafted, head=head)
-        argmax, features = verifier.forward([ids[-1], *drafts])
-        new = _kept(drafts, argmax, eos_ids)[: max_new_tokens - len(generated)]
-        per_forward.append(len(new))
-        ids += new
-        generated += new
-        verifier.keep(len(ids) - 1)
-        # The features of the last accepted token and the drafts kept: the next proposal's new positions.
-        features = features[:, : len(new)]
-    return generated, per_forward
+    """One prompt through a :class:`ChainDecoder`: (new tokens, tokens yielded by each verifying forward)."""
+    return ChainDecoder(target, draft).generate(prompt, k, max_new_tokens, eos_ids)
 
 
 @torch.no_grad()
@@ -304,12 +383,13 @@ def real_acceptance(
     target, draft: Eagle3Draft, rows, k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> dict:
     """Mean tokens per verifying target forward over held-out prompts."""
+    decoder = ChainDecoder(target, draft)
     yielded: list[int] = []
     for row in rows:
         prompt = prompt_of(row.input_ids, row.loss_mask)
         if len(prompt) < 2:
             continue
-        _, per_forward = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_ids)
+        _, per_forward = decoder.generate(prompt, k, max_new_tokens, eos_ids)
         yielded += per_forward
     return {
         "prompts": len(rows),

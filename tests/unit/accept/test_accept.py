@@ -222,7 +222,7 @@ def test_chain_accept_length_is_pooled_over_requests_against_the_targets_own_gen
     baseline that is the target's own greedy ``generate``, which the speculative tokens equal."""
     yielded: list[list[int]] = []
     generated: list[list[int]] = []
-    real_speculative, real_generate = decoding.speculative_generate, decoding.greedy_generate
+    real_speculative, real_generate = decoding.ChainDecoder.generate, decoding.greedy_generate
 
     def speculative(*args):
         tokens, per_forward = real_speculative(*args)
@@ -233,7 +233,7 @@ def test_chain_accept_length_is_pooled_over_requests_against_the_targets_own_gen
         generated.append(real_generate(*args))
         return generated[-1]
 
-    monkeypatch.setattr(decoding, "speculative_generate", speculative)
+    monkeypatch.setattr(decoding.ChainDecoder, "generate", speculative)
     monkeypatch.setattr(decoding, "greedy_generate", greedy)
     settings = _sglang_settings(run_inputs, engine="chain", max_new_tokens=12)
     assert measure.run_accept(settings, tmp_path) == 0

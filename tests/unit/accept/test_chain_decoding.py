@@ -6,15 +6,25 @@ right often enough for every accept count 0..K to occur."""
 from __future__ import annotations
 
 import collections
+import types
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.integrations import sdpa_attention
 
 from eyrie_testing import perturbed_draft
 from pipeline.steps.accept.measure import acceptance_rates
 from pipeline.steps.eagle3 import decoding
-from pipeline.steps.eagle3.decoding import FewRowProducts, RowHead, greedy_generate, speculative_generate
+from pipeline.steps.eagle3.decoding import (
+    ChainDecoder,
+    FewRowProducts,
+    GroupedAttention,
+    RowHead,
+    greedy_generate,
+    sdpa_grouped_kv,
+    speculative_generate,
+)
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
 
@@ -191,6 +201,75 @@ def test_a_verifying_forward_computes_its_few_rows_as_weight_by_rows(monkeypatch
     assert shapes == {k + 1: len(per_forward)}
     greedy_generate(target, prompt, 8, frozenset())
     assert shapes == {k + 1: len(per_forward)}
+
+
+def test_a_verifying_forward_hands_sdpa_the_key_value_heads_as_they_are(monkeypatch):
+    """Under the mask of a verifying forward's K + 1 queries transformers' ``sdpa`` copies each key
+    and value head once per query head sharing it; the loop's attention does not, and the target is
+    left with its own attention after."""
+    target, k = _target(4, 1), 3  # 4 query heads on 2 key-value heads
+    draft = _draft(target, 2)
+    assert target.config._attn_implementation == "sdpa"
+    copied = collections.Counter()
+    repeat = sdpa_attention.repeat_kv
+
+    def counted(hidden, n_rep):
+        copied[hidden.shape[-2]] += 1
+        return repeat(hidden, n_rep)
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
+    prompt = _prompts(4)[2]
+    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    assert copied == {} and max(per_forward) > 1
+    assert target.config._attn_implementation == "sdpa"
+    # The same forwards outside the loop: transformers' own attention copies them.
+    cache = DynamicCache()
+    target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    target(input_ids=torch.tensor([tokens[: k + 1]]), cache=cache, use_cache=True)
+    assert copied
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+def test_grouped_attention_gives_sdpas_outputs(queries):
+    torch.manual_seed(0)
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    query, key, value = torch.randn(1, 6, queries, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
+    mask = torch.ones(queries, 11, dtype=torch.bool).tril(11 - queries)[None, None]
+    grouped, _ = sdpa_grouped_kv(module, query, key, value, mask, scaling=0.3)
+    own, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(grouped, own)
+    assert grouped.shape == (1, queries, 6, 8) and grouped.is_contiguous()
+
+
+def test_grouped_attention_leaves_a_target_with_another_attention_as_it_is():
+    config = _target(4, 1).config
+    config._attn_implementation = "eager"
+    with GroupedAttention(config):
+        assert config._attn_implementation == "eager"
+    config._attn_implementation = "sdpa"
+    with GroupedAttention(config):
+        assert config._attn_implementation == decoding.GROUPED_SDPA
+    assert config._attn_implementation == "sdpa"
+
+
+def test_a_decoder_makes_its_heads_once_for_every_prompt(monkeypatch):
+    """The target's head, copied transposed (a vocabulary wide), is made when the decoder is, not
+    once per prompt; each prompt gets a cache of its own."""
+    target, k = _target(4, 1), 3
+    draft = _draft(target, 2)
+    made = []
+    make = RowHead.__init__
+
+    def counted(head, linear):
+        made.append(linear)
+        make(head, linear)
+
+    monkeypatch.setattr(decoding.RowHead, "__init__", counted)
+    decoder = ChainDecoder(target, draft)
+    assert made == [target.lm_head, draft.lm_head]
+    for prompt in _prompts(4):
+        assert decoder.generate(prompt, k, 20, frozenset()) == uncached_generate(target, draft, prompt, k, 20)
+    assert len(made) == 2
 
 
 def test_the_baseline_is_the_targets_plain_greedy_generate_whatever_its_generation_config_says():
