@@ -6,10 +6,11 @@ dequantized to fp32 by transformers through the ``gguf`` package:
 almost never accepted, so the figures are a round's floor: a round that accepts j drafts also
 runs the target's head at j more positions. ``--draft FOLDER`` takes a trained draft instead
 (the folder train exports for SmolLM2, e.g. ``benchmarks/draft_quality.py``'s).
-Prompts are short chat turns, in SmolLM2's own template.
+Prompts are short chat turns, in SmolLM2's own template, or (``--set``) a set's, as
+``eyrie accept --bench`` reads them: MT-bench's and HumanEval's run longer.
 
 For each prompt, in one run and at batch 1, the target's greedy ``generate`` and the chain loop
-(``speculative_generate``, K drafts per verifying forward) decode the same tokens, taking turns
+(``ChainDecoder``, K drafts per verifying forward) decode the same tokens, taking turns
 (which one goes first alternates); their outputs must be equal. The figures: ``generate``'s time
 per token (one forward each) against the chain's time per verifying forward, their ratio (the
 goal is at most 1.3), the part of the chain's time spent proposing, and the accept length,
@@ -29,6 +30,7 @@ import torch
 
 from pipeline.embedded.smollm2 import gguf_path
 from pipeline.steps.accept.measure import acceptance_rates
+from pipeline.steps.accept.sets import check_set_name, read_set, rendered
 from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.export import load_draft
 from pipeline.steps.eagle3.model import Eagle3Draft, default_layer_ids, draft_config, vocab_map
@@ -87,8 +89,9 @@ def measure(target, draft, prompts: list[list[int]], k: int, max_new_tokens: int
     decoding.propose = proposing  # the loop looks it up in its module at each round
     seconds = {"generate": 0.0, "chain": 0.0}
     tokens, per_forward = 0, []
+    decoder = decoding.ChainDecoder(target, draft)  # made once, as eyrie accept makes it
     decoding.greedy_generate(target, prompts[0], 8, eos)  # one-time costs out of the timing
-    decoding.speculative_generate(target, draft, prompts[0], k, 8, eos)
+    decoder.generate(prompts[0], k, 8, eos)
     proposing.seconds = 0.0
     for i, prompt in enumerate(prompts):
         outputs = {}
@@ -97,9 +100,7 @@ def measure(target, draft, prompts: list[list[int]], k: int, max_new_tokens: int
             if name == "generate":
                 outputs[name] = decoding.greedy_generate(target, prompt, max_new_tokens, eos)
             else:
-                outputs[name], yielded = decoding.speculative_generate(
-                    target, draft, prompt, k, max_new_tokens, eos
-                )
+                outputs[name], yielded = decoder.generate(prompt, k, max_new_tokens, eos)
                 per_forward += yielded
             seconds[name] += time.perf_counter() - started
         if outputs["chain"] != outputs["generate"]:
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--num-steps", type=int, default=3, help="drafts per verifying forward (K)")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the fresh draft's vocabulary")
     parser.add_argument("--draft", type=Path, help="a trained draft's folder instead of a fresh draft")
+    parser.add_argument("--set", help="a set's prompts, not short questions: mtbench, humaneval, FILE.jsonl")
     # One thread by default: on a shared machine, threads spinning for cores others hold make
     # every figure noise.
     parser.add_argument("--threads", type=int, default=1)
@@ -140,17 +142,20 @@ def main() -> None:
         draft = load_draft(args.draft, target.get_input_embeddings().weight)
     else:
         draft = fresh_draft(target, args.draft_vocab)
-    chats = [[{"role": "user", "content": q}] for q in (QUESTIONS * args.prompts)[: args.prompts]]
-    prompts = [
-        list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
-        for chat in chats
-    ]
+    if args.set:
+        check_set_name(args.set)
+        chats = read_set(args.set)[: args.prompts]
+    else:
+        chats = [[{"role": "user", "content": q}] for q in (QUESTIONS * args.prompts)[: args.prompts]]
+    prompts = [rendered(tokenizer, chat) for chat in chats]
     result = measure(target, draft, prompts, args.num_steps, args.max_new_tokens)
     print(
         json.dumps(
             {
                 "threads": torch.get_num_threads(),
                 "draft": str(args.draft) if args.draft else "fresh",
+                "set": args.set or "short questions",
+                "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
                 "draft_vocab": draft.config.draft_vocab_size,
                 **result,
             },
