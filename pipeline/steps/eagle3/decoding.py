@@ -383,7 +383,7 @@ def real_acceptance(
     target, draft: Eagle3Draft, rows, k: int, max_new_tokens: int, eos_ids: Collection[int]
 ) -> dict:
     """Mean tokens per verifying target forward over held-out prompts."""
-    decoder = ChainDecoder(target, draft)
+    decoder = ChainDecoder(target, draft) if rows else None  # no rows: train loaded no target
     yielded: list[int] = []
     for row in rows:
         prompt = prompt_of(row.input_ids, row.loss_mask)

@@ -231,6 +231,13 @@ def test_fp32_draft_is_evaluated_on_a_bf16_target():
     assert real["verify_forwards"] > 0
 
 
+def test_no_held_out_prompt_decodes_nothing_and_needs_no_target():
+    """train with --eval-prompts 0 (or no held-out row) loads no target for evaluation."""
+    draft = _draft_for(_tiny_target())
+    real = real_acceptance(None, draft, [], 3, max_new_tokens=8, eos_ids=())
+    assert real == {"prompts": 0, "verify_forwards": 0, "acceptance_length": None}
+
+
 def test_simulated_acceptance_holds_what_a_training_step_holds(monkeypatch):
     """After training, held-out rows go through in training's batches and its loss chunks: the
     placement planned that much (the logits of a whole batch at once could run out of memory after
