@@ -46,6 +46,7 @@ from pipeline.run.executor import (
     LineSink,
     Outcome,
     StepOptions,
+    join_while_reading,
 )
 from pipeline.run.host_gpus import host_gpus
 from pipeline.run.layout import attempt_name
@@ -133,10 +134,12 @@ class _Lines:
         self._log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.tail: list[str] = []
+        self._lines = 0
         self._thread = threading.Thread(target=self._pump, name=f"logs-{name}", daemon=True)
         self._thread.start()
 
     def _emit(self, log, line: str) -> None:
+        self._lines += 1
         log.write(line + "\n")
         log.flush()
         self.tail.append(line)
@@ -160,8 +163,8 @@ class _Lines:
             if pending:
                 self._emit(log, pending.decode("utf-8", errors="replace"))
 
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+    def join(self, idle: float) -> None:
+        join_while_reading(self._thread, lambda: self._lines, idle)
 
 
 class _EngineEvents:
@@ -244,8 +247,8 @@ class DockerAttempt:
         if not self._ended.wait(timeout):
             return None
         ended_at = time.time()
-        self._out.join(5)
-        self._err.join(5)
+        self._out.join(idle=5)
+        self._err.join(idle=5)
         self.events.close()
         try:
             self.container.remove(force=True)

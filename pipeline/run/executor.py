@@ -290,5 +290,15 @@ class LineCapture:
                 f"its {self._name} log {self._path} was cut short at line {self._lines}: {exc.strerror}"
             )
 
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+    def join(self, idle: float) -> None:
+        join_while_reading(self._thread, lambda: self._lines, idle)
+
+
+def join_while_reading(pump: threading.Thread, lines_read: Callable[[], int], idle: float) -> None:
+    """Wait for an output stream's pump to reach the end for as long as lines keep coming: a step
+    that ended with thousands of lines still in its pipe has them all in its tail. Only a stream
+    silent for ``idle`` seconds before its end (a pipe a stray process holds open) ends the wait."""
+    read = -1
+    while pump.is_alive() and lines_read() != read:
+        read = lines_read()
+        pump.join(idle)

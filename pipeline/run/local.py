@@ -64,8 +64,8 @@ class LocalAttempt:
         if self.cgroup.procs():
             self.cgroup.kill_all(signal.SIGKILL)
             self._wait_empty(STOP_GRACE_S)
-        self._out.join(2)
-        self._err.join(2)
+        self._out.join(idle=2)
+        self._err.join(idle=2)
         report = self.monitor.finish()
         self.cgroup.remove()
         return Outcome(
