@@ -48,13 +48,9 @@ class Verifier:
         # transformers 5.25 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns).
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
-    def start(self) -> TargetCache:
-        """An empty KV cache, for one prompt."""
-        return TargetCache(self)
-
 
 class TargetCache:
-    """The target's KV cache of the tokens decoded so far, and the forwards that extend it."""
+    """The target's KV cache of one prompt's tokens decoded so far, and the forwards that extend it."""
 
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
@@ -325,20 +321,20 @@ class ChainDecoder:
         self, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
     ) -> tuple[list[int], list[int]]:
         """(new tokens, tokens yielded by each verifying forward)."""
-        target = self.verifier.start()
-        argmax, features = target.forward(prompt)
+        verified = TargetCache(self.verifier)
+        argmax, features = verified.forward(prompt)
         ids = prompt + [argmax[-1]]
         generated = [ids[-1]]
         drafted = DraftCache()
         per_forward: list[int] = []
         while len(generated) < max_new_tokens and generated[-1] not in eos_ids:
             drafts = propose(self.draft, ids, features, k, cache=drafted, head=self.head)
-            argmax, features = target.forward([ids[-1], *drafts])
+            argmax, features = verified.forward([ids[-1], *drafts])
             new = _kept(drafts, argmax, eos_ids)[: max_new_tokens - len(generated)]
             per_forward.append(len(new))
             ids += new
             generated += new
-            target.keep(len(ids) - 1)
+            verified.keep(len(ids) - 1)
             # The features of the last accepted token and the drafts kept: the next proposal's new positions.
             features = features[:, : len(new)]
         return generated, per_forward
