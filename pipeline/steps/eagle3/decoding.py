@@ -340,13 +340,6 @@ class ChainDecoder:
         return generated, per_forward
 
 
-def speculative_generate(
-    target, draft: Eagle3Draft, prompt: list[int], k: int, max_new_tokens: int, eos_ids: Collection[int]
-) -> tuple[list[int], list[int]]:
-    """One prompt through a :class:`ChainDecoder`: (new tokens, tokens yielded by each verifying forward)."""
-    return ChainDecoder(target, draft).generate(prompt, k, max_new_tokens, eos_ids)
-
-
 @torch.no_grad()
 def greedy_generate(target, prompt: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> list[int]:
     """The target's own ``generate``, greedy: what speculative decoding must equal token for token,

@@ -23,7 +23,6 @@ from pipeline.steps.eagle3.decoding import (
     RowHead,
     greedy_generate,
     sdpa_grouped_kv,
-    speculative_generate,
 )
 from pipeline.steps.eagle3.model import Eagle3Draft, aux_layer_ids
 
@@ -103,7 +102,7 @@ def test_the_cached_loop_gives_the_uncached_loops_tokens_and_accept_counts(vocab
     draft = _draft(target, draft_seed)
     counts = collections.Counter()
     for prompt in _prompts(vocab):
-        cached = speculative_generate(target, draft, prompt, k, 40, frozenset())
+        cached = ChainDecoder(target, draft).generate(prompt, k, 40, frozenset())
         assert cached == uncached_generate(target, draft, prompt, k, 40)
         counts.update(cached[1])
     if (vocab, target_seed, draft_seed) == (4, 1, 2):
@@ -125,7 +124,7 @@ def test_a_verifying_forward_runs_only_the_new_tokens_on_both_caches():
     for name, module in hooked.items():
         module.register_forward_pre_hook(lambda _module, args, name=name: seen[name].append(args[0].shape[1]))
     prompt = _prompts(4)[2]
-    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    tokens, per_forward = ChainDecoder(target, draft).generate(prompt, k, 40, frozenset())
     assert max(per_forward) > 1  # some drafts were accepted, so rounds add more than one position
     assert seen["target"] == [len(prompt)] + [k + 1] * len(per_forward)
     assert seen["step0"] == [len(prompt)] + per_forward[:-1]
@@ -146,7 +145,7 @@ def test_the_targets_head_runs_only_at_the_positions_verification_reads(monkeypa
 
     monkeypatch.setattr(decoding.RowHead, "__call__", counted)
     prompt = _prompts(4)[2]
-    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    tokens, per_forward = ChainDecoder(target, draft).generate(prompt, k, 40, frozenset())
     assert max(per_forward) > 1 and min(per_forward) < k + 1  # rounds of several lengths
     # The prompt's last position, then each round's accepted drafts and the target's own token
     # (the last round's may be cut by max_new_tokens after they were read).
@@ -197,7 +196,7 @@ def test_a_verifying_forward_computes_its_few_rows_as_weight_by_rows(monkeypatch
 
     monkeypatch.setattr(torch, "mm", counted)
     prompt = _prompts(4)[2]
-    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    tokens, per_forward = ChainDecoder(target, draft).generate(prompt, k, 40, frozenset())
     assert shapes == {k + 1: len(per_forward)}
     greedy_generate(target, prompt, 8, frozenset())
     assert shapes == {k + 1: len(per_forward)}
@@ -219,7 +218,7 @@ def test_a_verifying_forward_hands_sdpa_the_key_value_heads_as_they_are(monkeypa
 
     monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
     prompt = _prompts(4)[2]
-    tokens, per_forward = speculative_generate(target, draft, prompt, k, 40, frozenset())
+    tokens, per_forward = ChainDecoder(target, draft).generate(prompt, k, 40, frozenset())
     assert copied == {} and max(per_forward) > 1
     assert target.config._attn_implementation == "sdpa"
     # The same forwards outside the loop: transformers' own attention copies them.
@@ -280,7 +279,7 @@ def test_the_baseline_is_the_targets_plain_greedy_generate_whatever_its_generati
     own.do_sample, own.temperature, own.repetition_penalty = True, 0.7, 1.5
     expected, _ = uncached_generate(target, draft, prompt, 1, 30, frozenset({1}))
     assert greedy_generate(target, prompt, 30, {1}) == expected
-    assert speculative_generate(target, draft, prompt, 4, 30, {1})[0] == expected
+    assert ChainDecoder(target, draft).generate(prompt, 4, 30, {1})[0] == expected
     assert target.generation_config is own
 
 

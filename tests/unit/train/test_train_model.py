@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eyrie_testing import perturbed_draft
 from pipeline.steps.eagle3 import decoding
 from pipeline.steps.eagle3.attention import ttt_attention
-from pipeline.steps.eagle3.decoding import eos_ids_of, propose, real_acceptance, speculative_generate
+from pipeline.steps.eagle3.decoding import ChainDecoder, eos_ids_of, propose, real_acceptance
 from pipeline.steps.eagle3.export import export_draft, load_draft
 from pipeline.steps.eagle3.model import vocab_map
 from pipeline.steps.shards import Example
@@ -167,7 +167,7 @@ def test_speculative_decoding_is_lossless():
     target = _tiny_target(seed=5)
     draft = _draft_for(target)
     prompt = [5, 17, 33, 8, 61, 2]
-    generated, per_forward = speculative_generate(target, draft, prompt, k=4, max_new_tokens=30, eos_ids={1})
+    generated, per_forward = ChainDecoder(target, draft).generate(prompt, k=4, max_new_tokens=30, eos_ids={1})
     with torch.no_grad():
         greedy = target.generate(
             torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=1, pad_token_id=0
@@ -210,7 +210,7 @@ def test_lossless_at_every_acceptance_length_from_0_to_k(monkeypatch):
         return own
 
     monkeypatch.setattr(decoding, "propose", own_tokens_one_corrupted)
-    generated, per_forward = speculative_generate(target, draft, prompt, k, new_tokens, eos_ids=set())
+    generated, per_forward = ChainDecoder(target, draft).generate(prompt, k, new_tokens, eos_ids=set())
     assert generated == greedy_after(prompt, new_tokens)
     accepted = [n - 1 for n in per_forward[:-1]]  # the last forward may be cut at max_new_tokens
     assert accepted == depths[: len(accepted)]
@@ -275,7 +275,7 @@ def test_decoding_stops_at_any_of_several_end_tokens():
     first = free.index(stop)
     target.generation_config.eos_token_id = [95, stop]
     assert eos_ids_of(target) == {95, stop}
-    generated, per_forward = speculative_generate(target, draft, prompt, 4, 30, eos_ids_of(target))
+    generated, per_forward = ChainDecoder(target, draft).generate(prompt, 4, 30, eos_ids_of(target))
     assert generated == free[: first + 1]
     with torch.no_grad():
         greedy = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
