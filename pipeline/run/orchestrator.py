@@ -457,9 +457,7 @@ class Orchestrator:
         """Start what is ready, then settle each attempt as it ends, until none runs."""
         stopping = False
         self._start_ready()
-        while self._running or (
-            (self._unsubmitted() or self._services.starting()) and not self._cancel.is_set()
-        ):
+        while self._waiting():
             try:
                 running, outcome = self._results.get(timeout=0.2)
             except queue.Empty:
@@ -480,6 +478,20 @@ class Orchestrator:
                 self._settle(step, self._record(running, outcome), outcome)
             self._retire_unused_services()
             self._start_ready()
+
+    def _waiting(self) -> bool:
+        """Whether the loop has something to wait for: an attempt running, or (unless cancelled) one
+        to submit again or a service starting. A service may have become ready, or failed, since the
+        loop last looked: with nothing else to wait for, what that lets start starts (or fails with
+        it) now, so that the run never ends with a user of the service still pending."""
+        if self._running:
+            return True
+        if self._cancel.is_set():
+            return False
+        if not (self._unsubmitted() or self._services.starting()):
+            self._services.changed.clear()
+            self._start_ready()
+        return bool(self._running or self._unsubmitted() or self._services.starting())
 
     def _start_ready(self) -> None:
         """Skip the steps that are up to date and start those whose needs are met, while their limits

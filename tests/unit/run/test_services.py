@@ -208,6 +208,32 @@ def test_a_replica_started_again_elsewhere_is_followed_by_its_running_user(tmp_p
     assert service_urls_path(run_dir, "web").read_text() == moved.group(2) + "\n"
 
 
+class SlowToSayReadyReporter(ConsoleReporter):
+    """A test double: a console that takes a second to write the line saying a service is ready, as
+    a terminal behind a slow link, or one held by other steps' output, would."""
+
+    def note(self, text: str) -> None:
+        if ": ready (" in text:
+            time.sleep(1.0)
+        super().note(text)
+
+
+def test_a_user_starts_though_its_service_became_ready_while_the_runner_was_looking_elsewhere(
+    tmp_path, real_cgroups
+):
+    # The service is ready, and says so slowly: the runner must not take "nothing is starting, nothing
+    # runs" for the end of the run while the service's only user still waits for it.
+    user = {"name": "ask", "command": [sys.executable, "-c", ASK_EACH], "memory": "64MiB", "uses": ["web"]}
+    path = pipeline(tmp_path, [web()], [user])
+    run_dir, out = tmp_path / "run", io.StringIO()
+    reporter = SlowToSayReadyReporter(Console(file=out, width=200))
+    result = Orchestrator(load_pipeline(path), path, run_dir, LocalExecutor(), reporter).run()
+    assert result.state == "succeeded", out.getvalue()
+    (ask,) = attempts(run_dir)["ask"]
+    assert ask.verdict == "succeeded"
+    assert "pids [" in out.getvalue()
+
+
 def test_a_replica_not_ready_within_its_startup_timeout_is_timed_out(tmp_path, real_cgroups):
     command = [sys.executable, SERVER, "${EYRIE_SERVICE_PORT}", "60"]  # listens after a minute
     slow = web(command=command, startup_timeout="2s", retries=0)
