@@ -454,7 +454,7 @@ class Orchestrator:
         return min(available, self.spec.budget or available)
 
     def _loop(self) -> None:
-        """Start what is ready, then settle each attempt as it ends, until none runs."""
+        """Start what is ready, then settle each attempt as it ends, until none runs and none can start."""
         stopping = False
         self._start_ready()
         while self._waiting():
